@@ -1,0 +1,296 @@
+"""`gymrpc.Client`: reach services by stable name, survive their restarts.
+
+A name (`agent/simple`) is resolved through the registry and cached. When a call
+fails with UNAVAILABLE (the server died, or is draining), the client drops the
+cached address, resolves again, and retries with full-jitter backoff until the
+call's overall deadline. Only methods the protocol marks idempotent are retried,
+which in gymrpc.v1 is all of them: every mutating call is de-duplicated by a key
+the caller chose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import descriptor_pb2
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+
+from gymrpc import auth, rundir
+from gymrpc.channels import insecure_channel, service_channel_options
+from gymrpc.errors import DeadlineExceeded, GymrpcError, NotFound, Unavailable, from_rpc_error
+from gymrpc.ids import check_service_name
+from gymrpc.registry import RegistryClient
+from gymrpc.retry import RetryPolicy
+from gymrpc.v1 import (
+    agent_service_pb2,
+    agent_service_pb2_grpc,
+    model_service_pb2,
+    model_service_pb2_grpc,
+    participant_service_pb2,
+    participant_service_pb2_grpc,
+    resources_service_pb2,
+    resources_service_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+StubT = TypeVar("StubT")
+_RETRYABLE_LEVELS = (descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS, descriptor_pb2.MethodOptions.IDEMPOTENT)
+
+
+def _is_retryable(err: GymrpcError) -> bool:
+    # UNAVAILABLE: the server is gone or draining; ABORTED with RetryInfo: a lease is held.
+    return isinstance(err, Unavailable) or (err.code == grpc.StatusCode.ABORTED and err.retry_delay is not None)
+
+
+class Client:
+    """Async client of a gymrpc stack.
+
+    Args:
+        registry: registry target (`unix:/path` or `host:port`). Default: `$GYMRPC_REGISTRY`,
+            else the address `gymrpc up` wrote into the run folder.
+        run_dir: run folder to read the registry address and token from (default
+            `$GYMRPC_RUN_DIR` or `./.gymrpc`).
+        token: bearer token for control calls. Default: `$GYMRPC_TOKEN`, else the run folder's.
+        retry: how long calls are retried after UNAVAILABLE (default `RetryPolicy.default`, 60 s).
+
+    One `Client` belongs to one event loop; create it inside the loop that uses it.
+    It is safe to share between tasks of that loop. Never share it across `fork()`.
+    """
+
+    def __init__(
+        self,
+        registry: str | None = None,
+        *,
+        run_dir: str | Path | None = None,
+        token: str | None = None,
+        retry: RetryPolicy = RetryPolicy.default,
+    ) -> None:
+        folder = Path(run_dir) if run_dir is not None else rundir.default_run_dir()
+        target = registry or os.environ.get("GYMRPC_REGISTRY") or rundir.read_registry_address(folder)
+        if token is None:
+            token = os.environ.get("GYMRPC_TOKEN")
+            token_file = folder / rundir.TOKEN_FILE
+            if token is None and token_file.exists():
+                token = auth.read_token_file(token_file)
+        self.retry = retry
+        self.registry = RegistryClient(target, token=token)
+        self._metadata = auth.metadata(token)
+        self._addresses: dict[str, str] = {}
+        self._known: set[str] = set()  # names resolved at least once: NOT_FOUND then means "restarting"
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, Any], Any] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._resolving: dict[str, asyncio.Future[str]] = {}
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()
+        await self.registry.close()
+
+    # -- typed entry points ---------------------------------------------------------------
+
+    def stub(self, name: str, stub_class: Callable[[grpc.aio.Channel], StubT], service: ServiceDescriptor) -> StubT:
+        """A stub for `service` at the stable `name`; its methods resolve and retry by themselves.
+
+        The return value is typed as the generated stub class, so calls are type-checked.
+        """
+        check_service_name(name)
+        return NamedStub(self, name, stub_class, service)  # type: ignore[return-value]
+
+    def agent(self, name: str = "agent/simple") -> agent_service_pb2_grpc.AgentServiceStub:
+        return self.stub(
+            name,
+            agent_service_pb2_grpc.AgentServiceStub,
+            agent_service_pb2.DESCRIPTOR.services_by_name["AgentService"],
+        )
+
+    def resources(self, name: str) -> resources_service_pb2_grpc.ResourcesServiceStub:
+        return self.stub(
+            name,
+            resources_service_pb2_grpc.ResourcesServiceStub,
+            resources_service_pb2.DESCRIPTOR.services_by_name["ResourcesService"],
+        )
+
+    def model(self, name: str = "model/policy") -> model_service_pb2_grpc.ModelServiceStub:
+        return self.stub(
+            name,
+            model_service_pb2_grpc.ModelServiceStub,
+            model_service_pb2.DESCRIPTOR.services_by_name["ModelService"],
+        )
+
+    def participant(self, name: str) -> participant_service_pb2_grpc.ParticipantServiceStub:
+        return self.stub(
+            name,
+            participant_service_pb2_grpc.ParticipantServiceStub,
+            participant_service_pb2.DESCRIPTOR.services_by_name["ParticipantService"],
+        )
+
+    # -- resolution ----------------------------------------------------------------------
+
+    async def resolve(self, name: str, *, fresh: bool = False) -> str:
+        """Current address of `name`: cached, or asked of the registry (one request per name at a time)."""
+        if not fresh and name in self._addresses:
+            return self._addresses[name]
+        pending = self._resolving.get(name)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_future()
+            self._resolving[name] = pending
+            try:
+                endpoints = await self.registry.resolve(name)
+                address = endpoints[0].address
+                old = self._addresses.get(name)
+                self._addresses[name] = address
+                self._known.add(name)
+                if old is not None and old != address:
+                    self._drop_channel(old)
+                pending.set_result(address)
+            except BaseException as exc:
+                pending.set_exception(exc)
+                pending.exception()  # mark retrieved: there may be no concurrent waiter
+            finally:
+                del self._resolving[name]
+        return await asyncio.shield(pending)
+
+    def stub_at(self, address: str, stub_class: Callable[[grpc.aio.Channel], StubT]) -> StubT:
+        """A generated stub on the shared channel to `address`."""
+        key = (address, stub_class)
+        stub = self._stubs.get(key)
+        if stub is None:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = insecure_channel(address, service_channel_options())
+            stub = self._stubs[key] = stub_class(channel)
+        return stub
+
+    def _drop_channel(self, address: str) -> None:
+        """Close the channel to an address no name maps to any more, letting its calls finish first."""
+        if address in self._addresses.values():
+            return
+        for key in [k for k in self._stubs if k[0] == address]:
+            del self._stubs[key]
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            task = asyncio.get_running_loop().create_task(channel.close(grace=5.0))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def _attempts(self, name: str, method: str, timeout: float | None) -> AsyncIterator[tuple[str, float]]:
+        """Yield (address, seconds left) per attempt, sleeping and re-resolving in between.
+
+        The caller reports a retryable failure by continuing the loop; anything else ends it.
+        """
+        policy = self.retry if timeout is None else self.retry.with_deadline(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + policy.deadline
+        delays = policy.delays()
+        attempt, last = 0, ""
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"{method} on {name!r} gave up after {attempt} attempts in {policy.deadline:.1f}s: {last}",
+                    metadata={"name": name, "method": method, "attempts": str(attempt)},
+                )
+            try:
+                cached = self._addresses.get(name) if attempt == 0 else None
+                address = cached or await asyncio.wait_for(self.resolve(name, fresh=attempt > 0), timeout=left)
+            except NotFound as exc:
+                if exc.reason == "NOT_FOUND" and name not in self._known:
+                    raise  # never registered: a wrong name, not a restart; waiting would not help
+                last = str(exc)
+            except Unavailable as exc:
+                last = f"registry unavailable: {exc}"
+            except TimeoutError:
+                continue
+            else:
+                attempt += 1
+                failure = yield address, deadline - loop.time()
+                last = str(failure)
+            await asyncio.sleep(min(next(delays), max(deadline - loop.time(), 0)))
+
+
+class NamedStub:
+    """Duck-typed generated stub whose methods go through `Client`'s resolve-and-retry path."""
+
+    def __init__(
+        self,
+        client: Client,
+        name: str,
+        stub_class: Callable[[grpc.aio.Channel], Any],
+        service: ServiceDescriptor,
+    ) -> None:
+        self._client, self._name, self._stub_class = client, name, stub_class
+        for method in service.methods:
+            wrap = self._stream if method.server_streaming else self._unary
+            setattr(self, method.name, wrap(method))
+
+    def _method(self, address: str, method: MethodDescriptor) -> Any:
+        return getattr(self._client.stub_at(address, self._stub_class), method.name)
+
+    def _retryable(self, method: MethodDescriptor) -> bool:
+        return method.GetOptions().idempotency_level in _RETRYABLE_LEVELS
+
+    def _unary(self, method: MethodDescriptor) -> Callable[..., Any]:
+        client, name, retryable = self._client, self._name, self._retryable(method)
+
+        async def call(request: Any, *, timeout: float | None = None) -> Any:
+            attempts = client._attempts(name, method.full_name, timeout)
+            try:
+                address, left = await anext(attempts)
+                while True:
+                    try:
+                        return await self._method(address, method)(request, timeout=left, metadata=client._metadata)
+                    except grpc.RpcError as exc:
+                        err = from_rpc_error(exc)
+                        if not (retryable and _is_retryable(err)):
+                            raise err from exc
+                        if err.retry_delay:
+                            await asyncio.sleep(min(err.retry_delay, left))
+                        address, left = await attempts.asend(err)
+            finally:
+                await attempts.aclose()
+
+        return call
+
+    def _stream(self, method: MethodDescriptor) -> Callable[..., AsyncIterator[Any]]:
+        client, name, retryable = self._client, self._name, self._retryable(method)
+
+        async def call(request: Any, *, timeout: float | None = None) -> AsyncIterator[Any]:
+            # Retried only until the first message arrives; after that a failure is the caller's.
+            attempts = client._attempts(name, method.full_name, timeout)
+            address, left = await anext(attempts)
+            while True:
+                stream = self._method(address, method)(request, timeout=left, metadata=client._metadata)
+                try:
+                    first = await stream.read()
+                    break
+                except grpc.RpcError as exc:
+                    err = from_rpc_error(exc)
+                    if not (retryable and _is_retryable(err)):
+                        raise err from exc
+                    address, left = await attempts.asend(err)
+            await attempts.aclose()
+            if first is grpc.aio.EOF:
+                return
+            yield first
+            try:
+                while (item := await stream.read()) is not grpc.aio.EOF:
+                    yield item
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from exc
+
+        return call

@@ -1,0 +1,66 @@
+"""Validation of every identifier that crosses the wire or reaches a file name (SPEC §2).
+
+Nothing from a request is used as a path, a log key or a registry key before it
+passes one of these checks; failures are `InvalidArgument` with the field named.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gymrpc.errors import InvalidArgument
+
+ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""Rollout, session and checkpoint ids: safe as file names, bounded length."""
+NAME_PART = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+"""Each half of a service name `role/instance`."""
+ENDPOINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_ADDRESS_LEN = 256
+
+
+def check_id(value: str, field: str) -> str:
+    """Validate a rollout, session or checkpoint id."""
+    if not ROLLOUT_ID.fullmatch(value) or value in {".", ".."}:
+        raise InvalidArgument(
+            f"{field} {value!r} is invalid: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$",
+            metadata={"field": field},
+        )
+    return value
+
+
+def check_service_name(name: str, field: str = "name") -> str:
+    """Validate a stable service name `role/instance` (for example `agent/simple`)."""
+    role, sep, instance = name.partition("/")
+    if not sep or not NAME_PART.fullmatch(role) or not NAME_PART.fullmatch(instance):
+        raise InvalidArgument(
+            f"{field} {name!r} is invalid: expected 'role/instance', each part lowercase "
+            "letters, digits, '_', '.', '-' (at most 63 characters)",
+            metadata={"field": field, "name": name[:200]},
+        )
+    return name
+
+
+def check_endpoint_id(value: str) -> str:
+    """Validate a replica id behind a name."""
+    if not ENDPOINT_ID.fullmatch(value):
+        raise InvalidArgument(
+            f"endpoint_id {value!r} is invalid: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,63}}$",
+            metadata={"field": "endpoint_id"},
+        )
+    return value
+
+
+def check_address(address: str) -> str:
+    """Validate a gRPC target a server registers (host:port or a unix socket)."""
+    ok = 0 < len(address) <= MAX_ADDRESS_LEN and address.isprintable() and " " not in address
+    if ok and address.startswith(("unix:", "unix-abstract:")):
+        ok = len(address.split(":", 1)[1]) > 0
+    elif ok:
+        host, sep, port = address.rpartition(":")
+        ok = bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    if not ok:
+        raise InvalidArgument(
+            f"address {address[:100]!r} is invalid: expected host:port, unix:/path or unix-abstract:name",
+            metadata={"field": "address"},
+        )
+    return address

@@ -1,0 +1,1 @@
+"""gymrpc servers: one package per role, all started through `servers.bootstrap`."""

@@ -1,0 +1,241 @@
+"""The one way every gymrpc server starts, registers, serves and stops.
+
+`start_server` binds (port 0, a fixed port, or a unix socket guarded by a lock
+file), adds health and reflection, wraps every servicer with the token check and
+error mapping (`servers.guard`), and registers the address it actually got under
+its stable name. `serve` runs until SIGTERM/SIGINT and then stops gracefully:
+deregister, health NOT_SERVING, drain in-flight calls for `grace` seconds, run the
+role's own teardown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gymrpc import auth, logs
+from gymrpc.channels import server_options
+from gymrpc.ids import check_endpoint_id, check_service_name
+from gymrpc.registry import NameLease, RegistryClient
+from gymrpc.rundir import write_text_atomic
+from servers.guard import guard_servicer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceBinding:
+    """One service to serve: its descriptor, implementation and generated `add_*_to_server`."""
+
+    descriptor: ServiceDescriptor
+    servicer: object
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    control_methods: Sequence[str] = ()
+    """Methods that need the bearer token."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How a server binds, names itself and stops."""
+
+    name: str
+    """Stable name `role/instance` registered with the registry."""
+    bind: str = "127.0.0.1:0"
+    """`host:port` (port 0 picks a free one) or `unix:/abs/path`."""
+    registry: str | None = None
+    """Registry target; None serves without registering (the registry itself, tests)."""
+    token: str | None = None
+    """Bearer token for control methods; required when any service has them."""
+    endpoint_id: str = "0"
+    """Replica id behind the name."""
+    lease_ttl: float = 10.0
+    grace: float = 5.0
+    """Seconds in-flight calls get to finish on stop."""
+    ready_file: Path | None = None
+    """Written (atomically) with the bound address once serving."""
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class RunningServer:
+    """A started server: its bound address, health, and name lease; `stop` is idempotent."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        address: str,
+        health_servicer: health.aio.HealthServicer,
+        lease: NameLease | None,
+        registry: RegistryClient | None,
+        grace: float,
+        lock_fd: int | None,
+    ) -> None:
+        self.server, self.address, self.health = server, address, health_servicer
+        self._lease, self._registry, self._grace, self._lock_fd = lease, registry, grace, lock_fd
+        self._stopped: asyncio.Task[None] | None = None
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._stopped is None:
+            self._stopped = asyncio.get_running_loop().create_task(self._stop(self._grace if grace is None else grace))
+        await asyncio.shield(self._stopped)
+
+    async def _stop(self, grace: float) -> None:
+        log.info("stopping", extra={"address": self.address, "grace_s": grace})
+        if self._lease is not None:
+            await self._lease.close()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        if self._registry is not None:
+            await self._registry.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        log.info("stopped", extra={"address": self.address})
+
+
+def _bind(server: grpc.aio.Server, bind: str) -> tuple[str, int | None]:
+    """Bind and return (address to advertise, lock fd for a unix socket)."""
+    if bind.startswith("unix:"):
+        path = Path(bind.removeprefix("unix:").removeprefix("//"))
+        # Two servers on one path: the second would silently steal it. A lock file prevents that.
+        lock_fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise RuntimeError(f"another live server holds {path}; refusing to take over its socket") from None
+        path.unlink(missing_ok=True)  # left behind by a killed predecessor
+        server.add_insecure_port(f"unix:{path}")
+        return f"unix:{path}", lock_fd
+    host, _, _ = bind.rpartition(":")
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise RuntimeError(f"could not bind {bind}")
+    advertised = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
+    return f"{advertised}:{port}", None
+
+
+async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding]) -> RunningServer:
+    """Build, bind, start and register a server."""
+    check_service_name(config.name)
+    check_endpoint_id(config.endpoint_id)
+    if any(b.control_methods for b in bindings) and not config.token:
+        raise ValueError(f"{config.name}: serving control methods needs a token (--token-file or GYMRPC_TOKEN)")
+    server = grpc.aio.server(options=server_options())
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for b in bindings:
+        b.add_to_server(
+            guard_servicer(b.servicer, b.descriptor, token=config.token, control_methods=b.control_methods),
+            server,
+        )
+    names = [b.descriptor.full_name for b in bindings]
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    address, lock_fd = _bind(server, config.bind)
+    await server.start()
+    for service in ("", *names):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    lease = registry = None
+    if config.registry:
+        registry = RegistryClient(config.registry, token=config.token)
+        lease = NameLease(
+            registry,
+            config.name,
+            address,
+            endpoint_id=config.endpoint_id,
+            ttl=config.lease_ttl,
+            labels=config.labels,
+        )
+        await lease.start()
+    if config.ready_file is not None:
+        write_text_atomic(config.ready_file, json.dumps({"address": address, "pid": os.getpid(), "name": config.name}))
+    log.info("serving", extra={"service": config.name, "address": address, "services": ",".join(names)})
+    return RunningServer(server, address, health_servicer, lease, registry, config.grace, lock_fd)
+
+
+async def serve(
+    config: ServerConfig,
+    bindings: Sequence[ServiceBinding],
+    *,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully and run `on_stop`."""
+    running = await start_server(config, bindings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watchdog = loop.create_task(_watch_supervisor(stop))
+    await stop.wait()
+    watchdog.cancel()
+    await running.stop()
+    if on_stop is not None:
+        await on_stop()
+
+
+async def _watch_supervisor(stop: asyncio.Event) -> None:
+    """Stop when the launcher that started us is gone, so a killed launcher leaves no orphans."""
+    supervisor = os.environ.get("GYMRPC_SUPERVISOR_PID")
+    if not supervisor:
+        return
+    while True:
+        await asyncio.sleep(1.0)
+        try:
+            os.kill(int(supervisor), 0)
+        except ProcessLookupError:
+            log.warning("supervisor is gone; stopping", extra={"supervisor_pid": supervisor})
+            stop.set()
+            return
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, default_name: str) -> None:
+    """The flags every server process takes (the launcher passes them)."""
+    parser.add_argument("--name", default=default_name, help="stable name role/instance (default %(default)s)")
+    parser.add_argument("--bind", default="127.0.0.1:0", help="host:port or unix:/path (default %(default)s)")
+    parser.add_argument(
+        "--registry",
+        default=os.environ.get("GYMRPC_REGISTRY"),
+        help="registry target (default $GYMRPC_REGISTRY; none: do not register)",
+    )
+    parser.add_argument("--token-file", type=Path, help="file holding the control token (else $GYMRPC_TOKEN)")
+    parser.add_argument("--endpoint-id", default="0", help="replica id behind the name")
+    parser.add_argument("--lease-ttl", type=float, default=10.0, help="registry lease TTL in seconds")
+    parser.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM")
+    parser.add_argument("--ready-file", type=Path, help="write the bound address here once serving")
+    parser.add_argument("--log-level", default=None)
+
+
+def config_from_arguments(args: argparse.Namespace) -> ServerConfig:
+    token = auth.read_token_file(args.token_file) if args.token_file else os.environ.get("GYMRPC_TOKEN")
+    return ServerConfig(
+        name=args.name,
+        bind=args.bind,
+        registry=args.registry,
+        token=token,
+        endpoint_id=args.endpoint_id,
+        lease_ttl=args.lease_ttl,
+        grace=args.grace,
+        ready_file=args.ready_file,
+    )
+
+
+def run(component: str, main: Callable[[], Awaitable[None]], level: str | None = None) -> None:
+    """Process entry point shared by every server's `__main__`."""
+    logs.configure(component, level)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())

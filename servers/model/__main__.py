@@ -1,0 +1,114 @@
+"""Run a model server.
+
+python -m servers.model --backend scripted --policy counter
+python -m servers.model --backend scripted --script replies.jsonl --recorded example_rollouts.jsonl
+python -m servers.model --backend openai --upstream-url http://127.0.0.1:8011
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from gymrpc import auth
+from gymrpc.chat import ChatTokenizer, default_tokenizer
+from gymrpc.v1 import model_service_pb2 as pb
+from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
+from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+from servers.model.backends.base import ModelBackend
+from servers.model.requests import Limits
+from servers.model.service import ModelServicer
+
+POLICIES = ("counter",)
+
+
+def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBackend:
+    if args.backend == "openai":
+        from servers.model.backends.openai import OpenAIBackend
+
+        key = auth.read_token_file(args.upstream_api_key_file) if args.upstream_api_key_file else None
+        return OpenAIBackend(
+            args.upstream_url,
+            model=args.upstream_model,
+            weight_version=args.weight_version or "upstream:0",
+            api_key=key or os.environ.get("GYMRPC_UPSTREAM_API_KEY"),
+            timeout=args.upstream_timeout,
+            dev_abort=args.upstream_dev_abort,
+        )
+    from servers.model.backends.scripted import ScriptedBackend
+    from servers.model.backends.sources import CounterSolver, RecordedRollouts, ReplySource, ScriptFile
+
+    sources: list[ReplySource] = [ScriptFile(path) for path in args.script]
+    if args.recorded:
+        sources.append(RecordedRollouts(args.recorded))
+    sources += [CounterSolver() for policy in args.policy if policy == "counter"]
+    return ScriptedBackend(
+        tokenizer,
+        sources,
+        weight_version=args.weight_version or "scripted:0",
+        fallback=args.fallback,
+        token_delay=args.token_delay,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m servers.model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_common_arguments(parser, default_name="model/policy")
+    parser.add_argument("--backend", choices=("scripted", "openai"), default="scripted")
+    parser.add_argument("--weight-version", help="reported with every reply (default scripted:0 / upstream:0)")
+    parser.add_argument("--tokenizer", help="a tokenizer.json (default: gymrpc's shipped tiny tokenizer)")
+    parser.add_argument("--system-prompt", help="system text when the conversation has none")
+    parser.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens)
+    parser.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens)
+    parser.add_argument("--max-prompt-tokens", type=int, default=Limits.max_prompt_tokens)
+    parser.add_argument("--cache-size", type=int, default=1024, help="replies kept for retries (LRU)")
+    scripted = parser.add_argument_group("scripted backend (sources are tried in the order below)")
+    scripted.add_argument("--script", action="append", default=[], help="JSONL of replies (repeatable)")
+    scripted.add_argument("--recorded", action="append", default=[], help="example_rollouts.jsonl to replay")
+    scripted.add_argument("--policy", action="append", default=[], choices=POLICIES, help="built-in policy")
+    scripted.add_argument("--fallback", help="reply text when no source knows the turn (default: an error)")
+    scripted.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
+    upstream = parser.add_argument_group("openai backend")
+    upstream.add_argument("--upstream-url", help="base URL of an OpenAI-compatible server")
+    upstream.add_argument("--upstream-model", help="model name (default: the first of /v1/models)")
+    upstream.add_argument("--upstream-api-key-file", type=Path, help="file holding the upstream API key")
+    upstream.add_argument("--upstream-timeout", type=float, default=600.0)
+    upstream.add_argument(
+        "--upstream-dev-abort",
+        action="store_true",
+        help="abort through vLLM's /abort_requests (VLLM_SERVER_DEV_MODE=1), keeping partials",
+    )
+    args = parser.parse_args()
+    if args.backend == "openai" and not args.upstream_url:
+        parser.error("--backend openai needs --upstream-url")
+    if args.backend == "scripted" and not (args.script or args.recorded or args.policy or args.fallback):
+        parser.error("--backend scripted needs --script, --recorded, --policy or --fallback")
+    config = config_from_arguments(args)
+    tokenizer = ChatTokenizer.from_file(args.tokenizer) if args.tokenizer else default_tokenizer()
+    limits = Limits(args.default_max_tokens, args.max_tokens_limit, args.max_prompt_tokens)
+
+    async def main_async() -> None:
+        servicer = ModelServicer(
+            build_backend(args, tokenizer),
+            tokenizer,
+            limits=limits,
+            cache_size=args.cache_size,
+            system_prompt=args.system_prompt,
+        )
+        binding = ServiceBinding(
+            pb.DESCRIPTOR.services_by_name["ModelService"],
+            servicer,
+            pb_grpc.add_ModelServiceServicer_to_server,
+        )
+        await serve(config, [binding], on_stop=servicer.close)
+
+    run(f"model:{args.backend}", main_async, args.log_level)
+
+
+if __name__ == "__main__":
+    main()

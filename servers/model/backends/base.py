@@ -1,0 +1,133 @@
+"""The backend interface: prompt token ids in, completion token ids and logprobs out.
+
+Backends never see chat messages as text to template: the server renders the
+prompt and parses the reply, so every backend is driven by the same token ids.
+The shape follows vLLM's `AsyncLLM` (token prompt, DELTA outputs, abort by
+request id, a final output with the finish reason), so the in-process vLLM
+backend is a thin adapter. `Conversation` is passed along only for backends that
+choose replies from the structured chat (the scripted one); others ignore it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Finish(enum.Enum):
+    STOP = "stop"
+    """A stop token or stop string ended the reply."""
+    LENGTH = "length"
+    """`max_tokens` (or the context) ran out."""
+    ABORT = "abort"
+    """The generation was aborted; the tokens so far are kept."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Backend-neutral sampling parameters (validated by the server)."""
+
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end the turn; the server passes its tokenizer's (`<|im_end|>`, `<|endoftext|>`)."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """The structured chat the prompt was rendered from (OpenAI-shaped dicts)."""
+
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] = ()
+    rollout_id: str = ""
+
+    def first_user_text(self) -> str:
+        return next((m.get("content") or "" for m in self.messages if m.get("role") == "user"), "")
+
+    def assistant_turns(self) -> int:
+        """How many assistant replies the conversation already holds: the index of the next one."""
+        return sum(1 for m in self.messages if m.get("role") == "assistant")
+
+    def tool_names(self) -> set[str]:
+        return {t.get("function", t).get("name", "") for t in self.tools}
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """Tokens produced since the previous delta; the last delta of a stream has `finish` set."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    finish: Finish | None = None
+    weight_version: str = ""
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    """One logprob per token id (of the sampled token), or None if the backend has none."""
+    finish: Finish
+    weight_version: str
+
+
+@dataclass
+class _Accumulator:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is None or self.logprobs is None:
+            self.logprobs = None
+        else:
+            self.logprobs.extend(delta.logprobs)
+
+
+class ModelBackend(abc.ABC):
+    """One source of completions. Implementations must be safe for concurrent requests."""
+
+    name: str = "backend"
+
+    @abc.abstractmethod
+    def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        request_id: str,
+        *,
+        conversation: Conversation | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Yield deltas; the last one has `finish` set (ABORT after `abort(request_id)`)."""
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        request_id: str,
+        *,
+        conversation: Conversation | None = None,
+    ) -> Completion:
+        """The whole completion; by default the stream, accumulated."""
+        acc, finish, version = _Accumulator(), Finish.ABORT, ""
+        async for delta in self.stream(prompt_token_ids, sampling, request_id, conversation=conversation):
+            acc.add(delta)
+            version = delta.weight_version or version
+            if delta.finish is not None:
+                finish = delta.finish
+        logprobs = tuple(acc.logprobs) if acc.logprobs is not None else None
+        return Completion(tuple(acc.token_ids), logprobs, finish, version)
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """End the request's generation, keeping its tokens so far; False if it is not running."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections or engines."""

@@ -1,0 +1,98 @@
+"""A deterministic backend: replies come from `ReplySource`s, not from a model.
+
+Replies are text in the template's format (tool calls as `<tool_call>` blocks),
+tokenized with the server's tokenizer and ended with `<|im_end|>`, so token ids,
+logprobs (a constant, 0.0 by default) and finish reasons are real token-level
+fields. Streams yield one token per delta, like vLLM's DELTA mode, and honour
+`abort`, `max_tokens` and stop strings, so bookkeeping around them can be tested
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from gymrpc.chat import ChatTokenizer
+from gymrpc.errors import FailedPrecondition
+from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
+from servers.model.backends.sources import ReplySource
+
+
+class ScriptedBackend(ModelBackend):
+    name = "scripted"
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        sources: Sequence[ReplySource],
+        *,
+        weight_version: str = "scripted:0",
+        fallback: str | None = None,
+        logprob: float = 0.0,
+        token_delay: float = 0.0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.sources = list(sources)
+        self.weight_version = weight_version
+        self.fallback = fallback
+        self.logprob = logprob
+        self.token_delay = token_delay
+        """Seconds between streamed tokens; lets tests abort or cut a generation midway."""
+        self._aborts: dict[str, asyncio.Event] = {}
+
+    def reply_text(self, conversation: Conversation) -> str:
+        for source in self.sources:
+            text = source.reply(conversation)
+            if text is not None:
+                return text
+        if self.fallback is not None:
+            return self.fallback
+        sources = ", ".join(s.describe() for s in self.sources)
+        raise FailedPrecondition(
+            f"no scripted reply for turn {conversation.assistant_turns()} of the conversation starting "
+            f"{conversation.first_user_text()[:80]!r} (sources: {sources})",
+            reason="NO_SCRIPTED_REPLY",
+        )
+
+    def completion_ids(self, text: str, sampling: Sampling) -> tuple[list[int], Finish]:
+        for stop in sampling.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[:cut]
+        ids = [*self.tokenizer.encode(text), self.tokenizer.im_end_id]
+        if len(ids) > sampling.max_tokens:
+            return ids[: sampling.max_tokens], Finish.LENGTH
+        return ids, Finish.STOP
+
+    async def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        request_id: str,
+        *,
+        conversation: Conversation | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        if conversation is None:
+            raise FailedPrecondition("the scripted backend needs the conversation, not only token ids")
+        ids, finish = self.completion_ids(self.reply_text(conversation), sampling)
+        aborted = self._aborts.setdefault(request_id, asyncio.Event())
+        try:
+            for k, token in enumerate(ids):
+                if aborted.is_set():
+                    yield CompletionDelta((), (), Finish.ABORT, self.weight_version)
+                    return
+                last = k == len(ids) - 1
+                yield CompletionDelta((token,), (self.logprob,), finish if last else None, self.weight_version)
+                await asyncio.sleep(self.token_delay)
+            if not ids:
+                yield CompletionDelta((), (), finish, self.weight_version)
+        finally:
+            self._aborts.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        event = self._aborts.get(request_id)
+        if event is None:
+            return False
+        event.set()
+        return True

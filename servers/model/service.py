@@ -1,0 +1,139 @@
+"""`gymrpc.v1.ModelService`: render the chat, run a backend, parse the reply, dedupe by request id.
+
+The servicer, not the backend, templates the prompt and parses tool calls, so the
+token ids and the parsed message do not depend on the backend. Tool-call ids are
+`call_<t>_<k>`: t is the number of assistant messages already in the request (the
+turn), k the call's index in the reply; unique within an episode and the same on
+every retry. Each reply's exact ids are remembered (`CompletionMemory`) so the next
+turn's prompt starts with this turn's prompt + completion ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from gymrpc.chat import ChatTemplate, ChatTokenizer, CompletionMemory, ParsedReply, parse_reply
+from gymrpc.errors import InvalidArgument
+from gymrpc.messages import message_from_dict
+from gymrpc.v1 import common_pb2
+from gymrpc.v1 import model_service_pb2 as pb
+from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
+from servers.model.backends.base import Conversation, Finish, ModelBackend
+from servers.model.flights import Flight, FlightTable
+from servers.model.requests import Checked, Limits, check_request
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    Finish.STOP: common_pb2.FINISH_REASON_STOP,
+    Finish.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    Finish.ABORT: common_pb2.FINISH_REASON_ABORTED,
+}
+
+
+class ModelServicer(pb_grpc.ModelServiceServicer):
+    def __init__(
+        self,
+        backend: ModelBackend,
+        tokenizer: ChatTokenizer,
+        *,
+        limits: Limits | None = None,
+        cache_size: int = 1024,
+        system_prompt: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.limits = limits or Limits()
+        self.memory = CompletionMemory(cache_size)
+        kwargs = {} if system_prompt is None else {"default_system": system_prompt}
+        self.template = ChatTemplate(tokenizer, memory=self.memory, **kwargs)
+        self.flights = FlightTable(cache_size)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        flight = self._admit(request, streaming=False)
+        return await flight.result()
+
+    async def GenerateStream(
+        self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        flight = self._admit(request.request, streaming=True)
+        async for delta in flight.events():
+            yield pb.GenerateStreamResponse(delta=delta)
+        yield pb.GenerateStreamResponse(final=await flight.result())
+
+    def _admit(self, request: pb.GenerateRequest, *, streaming: bool) -> Flight:
+        checked = check_request(request, self.limits, self.tokenizer.stop_token_ids)
+        fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+        flight, new = self.flights.admit(checked.request_id, fingerprint, lambda f: self._run(f, checked, streaming))
+        if not new:
+            log.info("retry of a known request", extra={"request_id": checked.request_id})
+        return flight
+
+    async def _run(self, flight: Flight, checked: Checked, streaming: bool) -> None:
+        prompt = self.template.render(checked.messages, checked.tools).token_ids
+        if len(prompt) > self.limits.max_prompt_tokens:
+            raise InvalidArgument(
+                f"the rendered prompt has {len(prompt)} tokens; this server takes at most "
+                f"{self.limits.max_prompt_tokens}",
+                metadata={"field": "messages"},
+            )
+        conversation = Conversation(checked.messages, checked.tools, checked.rollout_id)
+        args = (prompt, checked.sampling, checked.request_id)
+        token_ids: list[int] = []
+        logprobs: list[float] | None = []
+        finish, version = Finish.ABORT, ""
+        if streaming:
+            decoder = self.tokenizer.decoder()
+            async for delta in self.backend.stream(*args, conversation=conversation):
+                token_ids.extend(delta.token_ids)
+                if delta.logprobs is None:
+                    logprobs = None
+                elif logprobs is not None:
+                    logprobs.extend(delta.logprobs)
+                finish = delta.finish or finish
+                version = delta.weight_version or version
+                if delta.token_ids:
+                    text = decoder.push([t for t in delta.token_ids if t not in self.tokenizer.stop_token_ids])
+                    flight.publish(pb.TokenDelta(text=text, token_ids=delta.token_ids, logprobs=delta.logprobs or ()))
+        else:
+            completion = await self.backend.generate(*args, conversation=conversation)
+            token_ids, finish, version = (
+                list(completion.token_ids),
+                completion.finish,
+                completion.weight_version,
+            )
+            logprobs = None if completion.logprobs is None else list(completion.logprobs)
+            if token_ids:
+                text = self.tokenizer.decode(self.tokenizer.strip_stop(token_ids))
+                flight.publish(pb.TokenDelta(text=text, token_ids=token_ids, logprobs=logprobs or ()))
+        reply = self._parse(token_ids, checked)
+        self.memory.remember(prompt, reply.to_message(), token_ids)
+        has_calls = bool(reply.tool_calls) and finish is Finish.STOP
+        flight.finish(
+            pb.GenerateResponse(
+                message=message_from_dict(reply.to_message()),
+                tokens=common_pb2.TokenTrace(
+                    prompt_token_ids=prompt,
+                    completion_token_ids=token_ids,
+                    completion_logprobs=logprobs or (),
+                ),
+                finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS if has_calls else _FINISH[finish],
+                weight_version=version or getattr(self.backend, "weight_version", ""),
+                usage=common_pb2.Usage(input_tokens=len(prompt), output_tokens=len(token_ids)),
+            )
+        )
+
+    def _parse(self, token_ids: Sequence[int], checked: Checked) -> ParsedReply:
+        text = self.tokenizer.decode(self.tokenizer.strip_stop(token_ids))
+        if not checked.tools:
+            return ParsedReply(content=text)  # no tools offered: call-like text is just text
+        turn = sum(1 for m in checked.messages if m["role"] == "assistant")
+        return parse_reply(text, id_prefix=f"call_{turn}")
+
+    async def close(self) -> None:
+        await self.flights.close()
+        await self.backend.close()

@@ -1,0 +1,1 @@
+"""The registry role: stable names `role/instance` mapped to live addresses under leases."""

@@ -1,0 +1,244 @@
+"""Sessions of one environment: ownership, episode binding, ordering and idempotency.
+
+Environment code is synchronous and may be slow (pandas), so it runs in a thread
+pool; calls of one session are serialised by a per-session lock, calls of different
+sessions run in parallel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from gymrpc.envkit import (
+    Environment,
+    InvalidTask,
+    Session,
+    SnapshotCorrupt,
+    SnapshotUnsupported,
+    StepResult,
+    TaskSpec,
+    ToolError,
+    ToolResult,
+    VerifyResult,
+)
+from gymrpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+
+T = TypeVar("T")
+MAX_CLOSED_REMEMBERED = 100_000
+MAX_RESULTS_PER_SESSION = 10_000
+
+
+@dataclass(frozen=True)
+class EpisodeKey:
+    rollout_id: str
+    attempt: int
+
+
+@dataclass
+class Slot:
+    """One live session with what the host keeps beside it."""
+
+    session: Session
+    episode: EpisodeKey
+    seed_fingerprint: str
+    seed_reply: Any
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    results: OrderedDict[str, Any] = field(default_factory=OrderedDict)
+    """Replies by de-duplication key (`call:<id>`, `turn:<id>`): a retry returns the first reply."""
+
+
+class SessionHost:
+    """Owns every session of one environment instance."""
+
+    def __init__(self, environment: Environment, *, workers: int = 8) -> None:
+        self.environment = environment
+        self._slots: dict[str, Slot] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"env-{environment.name}")
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- lookup --------------------------------------------------------------------------
+
+    def slot(self, session_id: str, episode: EpisodeKey) -> Slot:
+        """The live session bound to `episode`; a clear error for every way that can fail."""
+        slot = self._slots.get(session_id)
+        if slot is None:
+            if session_id in self._closed:
+                raise FailedPrecondition(
+                    f"session {session_id!r} is closed",
+                    reason="SESSION_CLOSED",
+                    metadata={"session_id": session_id},
+                )
+            raise NotFound(
+                f"session {session_id!r} does not exist on this server (seed it first)",
+                metadata={"session_id": session_id},
+            )
+        if slot.episode != episode:
+            if slot.episode.rollout_id == episode.rollout_id and episode.attempt < slot.episode.attempt:
+                raise FailedPrecondition(
+                    f"attempt {episode.attempt} of {episode.rollout_id!r} is stale: the session belongs to "
+                    f"attempt {slot.episode.attempt}",
+                    reason="STALE_ATTEMPT",
+                    metadata={"rollout_id": episode.rollout_id, "attempt": str(episode.attempt)},
+                )
+            raise FailedPrecondition(
+                f"session {session_id!r} belongs to episode {slot.episode.rollout_id}/a{slot.episode.attempt}, "
+                f"not {episode.rollout_id}/a{episode.attempt}",
+                metadata={"session_id": session_id},
+            )
+        return slot
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def seed(
+        self,
+        session_id: str,
+        episode: EpisodeKey,
+        task: TaskSpec,
+        fingerprint: str,
+        reply: Callable[[Sequence[str]], Any],
+    ) -> Any:
+        existing = self._slots.get(session_id)
+        if existing is not None:
+            if existing.seed_fingerprint == fingerprint and existing.episode == episode:
+                return existing.seed_reply
+            raise AlreadyExists(
+                f"session {session_id!r} was already seeded with another task or episode",
+                metadata={"session_id": session_id},
+            )
+        try:
+            session, observations = await self.run(self.environment.seed, task)
+        except InvalidTask as exc:
+            raise InvalidArgument(
+                f"task rejected by {self.environment.name}: {exc}",
+                metadata={"environment": self.environment.name},
+            ) from None
+        if session_id in self._slots:  # a concurrent seed of the same id won the race
+            await self.run(session.close)
+            return await self.seed(session_id, episode, task, fingerprint, reply)
+        slot = Slot(session, episode, fingerprint, reply(observations))
+        self._slots[session_id] = slot
+        self._closed.pop(session_id, None)
+        return slot.seed_reply
+
+    async def close(self, session_id: str, episode: EpisodeKey) -> bool:
+        if session_id not in self._slots:
+            return False
+        slot = self.slot(session_id, episode)
+        async with slot.lock:
+            if self._slots.get(session_id) is not slot:
+                return False
+            del self._slots[session_id]
+            self._remember_closed(session_id)
+        await self.run(slot.session.close)
+        return True
+
+    def _remember_closed(self, session_id: str) -> None:
+        self._closed[session_id] = None
+        while len(self._closed) > MAX_CLOSED_REMEMBERED:
+            self._closed.popitem(last=False)
+
+    # -- episode calls -------------------------------------------------------------------
+
+    async def call_tool(
+        self,
+        session_id: str,
+        episode: EpisodeKey,
+        call_id: str,
+        name: str,
+        arguments: Mapping[str, Any] | None,
+        bad_arguments: str | None,
+    ) -> ToolResult:
+        slot = self.slot(session_id, episode)
+        async with slot.lock:
+            key = f"call:{call_id}"
+            if call_id and key in slot.results:
+                return slot.results[key]
+            if bad_arguments is not None:
+                result = ToolResult(bad_arguments, is_error=True)
+            else:
+                try:
+                    result = await self.run(slot.session.call_tool, name, arguments or {})
+                except ToolError as exc:
+                    result = ToolResult(str(exc), is_error=True)
+            self._remember(slot, key, result)
+            return result
+
+    async def step(self, session_id: str, episode: EpisodeKey, turn_id: str, text: str) -> StepResult:
+        slot = self.slot(session_id, episode)
+        async with slot.lock:
+            key = f"turn:{turn_id}"
+            if turn_id and key in slot.results:
+                return slot.results[key]
+            try:
+                result = await self.run(slot.session.step, text)
+            except ToolError as exc:
+                raise FailedPrecondition(str(exc)) from None
+            self._remember(slot, key, result)
+            return result
+
+    async def verify(self, session_id: str, episode: EpisodeKey, messages: Sequence[Mapping[str, Any]]) -> VerifyResult:
+        slot = self.slot(session_id, episode)
+        async with slot.lock:
+            return await self.run(slot.session.verify, messages)
+
+    @staticmethod
+    def _remember(slot: Slot, key: str, result: Any) -> None:
+        if not key.endswith(":"):
+            slot.results[key] = result
+            while len(slot.results) > MAX_RESULTS_PER_SESSION:
+                slot.results.popitem(last=False)
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def require_snapshots(self) -> None:
+        if self.environment.snapshot_format is None:
+            raise FailedPrecondition(
+                f"environment {self.environment.name!r} cannot snapshot sessions",
+                reason="SNAPSHOT_UNSUPPORTED",
+                metadata={"environment": self.environment.name},
+            )
+
+    async def export(self, session_id: str, episode: EpisodeKey) -> bytes:
+        self.require_snapshots()
+        slot = self.slot(session_id, episode)
+        async with slot.lock:
+            try:
+                return await self.run(slot.session.export)
+            except SnapshotUnsupported as exc:
+                raise FailedPrecondition(str(exc), reason="SNAPSHOT_UNSUPPORTED") from None
+
+    async def restore(self, session_id: str, episode: EpisodeKey, payload: bytes, reply: Any) -> None:
+        """Decode first, then swap in: a corrupt payload leaves the live session untouched."""
+        self.require_snapshots()
+        try:
+            session = await self.run(self.environment.restore, payload)
+        except SnapshotCorrupt as exc:
+            raise DataLoss(
+                f"snapshot for session {session_id!r} does not decode: {exc}",
+                metadata={"session_id": session_id},
+            ) from None
+        digest = "sha256:" + hashlib.sha256(payload).hexdigest()
+        old = self._slots.get(session_id)
+        self._slots[session_id] = Slot(session, episode, f"restored:{digest}", reply)
+        self._closed.pop(session_id, None)
+        if old is not None:
+            async with old.lock:
+                await self.run(old.session.close)
+
+    async def discard(self, session_id: str, episode: EpisodeKey) -> bool:
+        return await self.close(session_id, episode)

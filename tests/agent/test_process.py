@@ -1,0 +1,90 @@
+"""`python -m servers.agent` as a real process under `gymrpc up`, surviving restarts of what it calls.
+
+Uses the real model server (`--backend scripted --policy counter`) once it exists, else
+the FAKE model of `tests.agent.fake_model` run as a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from gymrpc.client import Client
+from gymrpc.v1 import agent_service_pb2 as agent_pb
+from gymrpc.v1 import common_pb2
+from tests.agent.fakes import counter_tasks
+
+ROOT = Path(__file__).resolve().parents[2]
+REAL_MODEL = (ROOT / "servers" / "model" / "__main__.py").exists()
+
+
+def _config() -> dict[str, Any]:
+    model: dict[str, Any] = (
+        {"role": "model", "args": {"backend": "scripted", "policy": "counter"}}
+        if REAL_MODEL
+        else {"role": "tests.agent.fake_model"}
+    )
+    return {
+        "servers": [
+            {"name": "resources/counter", "role": "resources", "args": {"environment": "counter"}},
+            {"name": "model/policy", **model},
+            {
+                "name": "agent/simple",
+                "role": "agent",
+                "args": {"resources": "resources/counter", "model": "model/policy", "max_steps": 8},
+            },
+        ]
+    }
+
+
+async def _rewards(run_dir: Path, prefix: str) -> list[float]:
+    async with Client(run_dir=run_dir) as client:
+        agent = client.agent("agent/simple")
+        replies = await asyncio.gather(
+            *(
+                agent.Run(
+                    agent_pb.RunRequest(task=task, episode_id=common_pb2.EpisodeId(rollout_id=f"{prefix}-{i}")),
+                    timeout=30,
+                )
+                for i, task in enumerate(counter_tasks())
+            )
+        )
+        return [r.trajectory.reward for r in replies]
+
+
+def test_agent_process_runs_counter_tasks_and_follows_restarts(start_stack: Any) -> None:
+    stack = start_stack(_config())
+    assert asyncio.run(_rewards(stack.run_dir, "first")) == [1.0] * 5
+    for name in ("resources/counter", "model/policy", "agent/simple"):
+        stack.kill(name)
+        stack.wait_for(name, lambda s: s["restarts"] >= 1 and s["state"] == "serving")
+    assert asyncio.run(_rewards(stack.run_dir, "after-restarts")) == [1.0] * 5
+
+
+def test_cli_refuses_to_start_without_a_registry() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "servers.agent", "--max-steps", "3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "pass --registry or set $GYMRPC_REGISTRY" in result.stderr
+
+
+def test_cli_refuses_bad_limits() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "servers.agent", "--registry", "unix:/nonexistent", "--max-steps", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "max_steps must be in 1..1000" in result.stderr
