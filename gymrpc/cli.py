@@ -1,4 +1,4 @@
-"""The `gymrpc` command: `up`, `status`, `down` (later issues add more subcommands)."""
+"""The `gymrpc` command: `up`, `status`, `down`, `rollouts`, `demo` (later issues add more subcommands)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,18 @@ def _read_state(run_dir: Path) -> dict | None:
 
 
 def _alive(pid: int) -> bool:
+    """True while the process runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -161,12 +166,24 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollouts(args: argparse.Namespace) -> int:
+    from gymrpc.rollouts import command
+
+    return command.run(args, _run_dir(args))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gymrpc import demo
+
+    return demo.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gymrpc", description="Crash-surviving agentic rollouts over gRPC.")
     parser.add_argument("--run-dir", help="run folder (default $GYMRPC_RUN_DIR or ./.gymrpc)")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="launch a stack and supervise it (foreground unless --detach)")
-    up.add_argument("config", nargs="?", help="stack YAML (default: the embedded counter stack)")
+    up.add_argument("config", nargs="?", help="stack YAML (default: the embedded default stack)")
     up.add_argument("--run-dir", default=argparse.SUPPRESS)
     up.add_argument("--detach", action="store_true", help="run in the background; return once serving")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for --detach")
@@ -179,6 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--run-dir", default=argparse.SUPPRESS)
     down.add_argument("--timeout", type=float, default=60.0)
     down.set_defaults(func=cmd_down)
+    from gymrpc.rollouts.command import add_arguments as add_rollouts_arguments
+
+    rollouts = sub.add_parser("rollouts", help="run a task file through an agent; one JSON line per episode")
+    rollouts.add_argument("--run-dir", default=argparse.SUPPRESS)
+    add_rollouts_arguments(rollouts)
+    rollouts.set_defaults(func=cmd_rollouts)
+    from gymrpc.demo import add_arguments as add_demo_arguments
+
+    demo = sub.add_parser("demo", help="launch the default stack, collect rollouts, survive a model crash")
+    demo.add_argument("--run-dir", default=argparse.SUPPRESS)
+    add_demo_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -24,12 +24,13 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from gymrpc import auth, rundir
 from gymrpc.channels import insecure_channel, service_channel_options
 from gymrpc.errors import DeadlineExceeded, GymrpcError, NotFound, Unavailable, from_rpc_error
-from gymrpc.ids import check_service_name
+from gymrpc.ids import check_id, check_service_name
 from gymrpc.registry import RegistryClient
 from gymrpc.retry import RetryPolicy
 from gymrpc.v1 import (
     agent_service_pb2,
     agent_service_pb2_grpc,
+    common_pb2,
     model_service_pb2,
     model_service_pb2_grpc,
     participant_service_pb2,
@@ -40,6 +41,11 @@ from gymrpc.v1 import (
 
 log = logging.getLogger(__name__)
 StubT = TypeVar("StubT")
+CONTROL_SERVICES = frozenset({"gymrpc.v1.ParticipantService"})
+"""Services whose every method is a control call; only these get the bearer token."""
+RUN_TIMEOUT = 4 * 3600.0
+"""Default overall deadline of `Client.run`, retries included: episodes are long (the agent's own
+default episode timeout is 1 h), and a run may survive several agent restarts and resumes."""
 _RETRYABLE_LEVELS = (descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS, descriptor_pb2.MethodOptions.IDEMPOTENT)
 
 
@@ -139,6 +145,43 @@ class Client:
             participant_service_pb2.DESCRIPTOR.services_by_name["ParticipantService"],
         )
 
+    async def run(
+        self,
+        task: common_pb2.Task,
+        *,
+        episode_id: str | common_pb2.EpisodeId,
+        policy_version: str,
+        agent: str = "agent/simple",
+        options: agent_service_pb2.RunOptions | None = None,
+        timeout: float | None = None,
+    ) -> agent_service_pb2.Trajectory:
+        """Run one episode to the end and return its trajectory, surviving agent crashes.
+
+        A `Run` that fails with UNAVAILABLE (the agent died or is draining) is sent again,
+        with the same episode id, to whatever address the name resolves to next; one that
+        fails with ABORTED and a retry delay (another call holds the episode's lease) is
+        sent again after that delay. An agent with durable resume on (`--resume-dir`)
+        continues the episode from its last checkpoint, or returns the cached result if it
+        had completed, so the caller needs no recovery code of its own. Any other error is
+        raised as its `gymrpc.errors` class.
+
+        Args:
+            task: what the episode is asked to do.
+            episode_id: the episode's rollout id (or a full `EpisodeId`); reuse it to retry.
+            policy_version: the weights the episode must be generated with.
+            agent: the agent's stable name.
+            options: per-run options (`max_steps`, `episode_timeout`).
+            timeout: overall deadline in seconds, every retry included (default `RUN_TIMEOUT`, 4 h).
+        """
+        if isinstance(episode_id, str):
+            episode_id = common_pb2.EpisodeId(rollout_id=episode_id)
+        check_id(episode_id.rollout_id, "episode_id.rollout_id")
+        request = agent_service_pb2.RunRequest(
+            task=task, episode_id=episode_id, policy_version=policy_version, options=options
+        )
+        reply = await self.agent(agent).Run(request, timeout=RUN_TIMEOUT if timeout is None else timeout)
+        return reply.trajectory
+
     # -- resolution ----------------------------------------------------------------------
 
     async def resolve(self, name: str, *, fresh: bool = False) -> str:
@@ -234,6 +277,8 @@ class NamedStub:
         service: ServiceDescriptor,
     ) -> None:
         self._client, self._name, self._stub_class = client, name, stub_class
+        # The token goes only where it is checked: data-plane servers never see it.
+        self._metadata = client._metadata if service.full_name in CONTROL_SERVICES else ()
         for method in service.methods:
             wrap = self._stream if method.server_streaming else self._unary
             setattr(self, method.name, wrap(method))
@@ -253,7 +298,7 @@ class NamedStub:
                 address, left = await anext(attempts)
                 while True:
                     try:
-                        return await self._method(address, method)(request, timeout=left, metadata=client._metadata)
+                        return await self._method(address, method)(request, timeout=left, metadata=self._metadata)
                     except grpc.RpcError as exc:
                         err = from_rpc_error(exc)
                         if not (retryable and _is_retryable(err)):
@@ -274,7 +319,7 @@ class NamedStub:
             attempts = client._attempts(name, method.full_name, timeout)
             address, left = await anext(attempts)
             while True:
-                stream = self._method(address, method)(request, timeout=left, metadata=client._metadata)
+                stream = self._method(address, method)(request, timeout=left, metadata=self._metadata)
                 try:
                     first = await stream.read()
                     break

@@ -95,6 +95,7 @@ class BlackjackEnvironment(Environment):
     checkpoint_mode = CheckpointMode.EXPORTED
     interaction_style = InteractionStyle.TEXT_TURNS
     snapshot_format = SnapshotFormat("gymrpc.blackjack", 1, "application/json")
+    runs_inline = True  # a few list operations per call: no thread hop needed
 
     def tools(self) -> Sequence[ToolSpec]:
         return ()

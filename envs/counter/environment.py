@@ -99,6 +99,7 @@ class CounterEnvironment(Environment):
     name = "counter"
     checkpoint_mode = CheckpointMode.EXPORTED
     snapshot_format = SnapshotFormat("gymrpc.counter", 1, "application/json")
+    runs_inline = True  # integer arithmetic: no thread hop needed
 
     def tools(self) -> Sequence[ToolSpec]:
         return _TOOLS

@@ -74,11 +74,17 @@ class StackSpec:
 
 
 DEFAULT_STACK = """
-# The embedded default stack: counter environment behind its stable name.
+# The embedded default stack: what `gymrpc up` and `gymrpc demo` run without a config.
+# No GPU, no downloads: the model is scripted (a counter solver, then blackjack replayed
+# from the reference's recorded rollouts, standing when a hand outlasts the recording).
 servers:
-  - name: resources/counter
-    role: resources
-    args: {environment: counter}
+  - {name: resources/counter, role: resources, args: {environment: counter}}
+  - {name: resources/blackjack, role: resources, args: {environment: blackjack}}
+  - name: model/policy
+    role: model
+    args: {policy: counter, recorded: "env:blackjack", fallback: "<action>stand</action>"}
+  - {name: agent/counter, role: agent, args: {resources: resources/counter, model: model/policy}}
+  - {name: agent/blackjack, role: agent, args: {resources: resources/blackjack, model: model/policy}}
 """
 
 

@@ -2,13 +2,16 @@
 
 python -m servers.model --backend scripted --policy counter
 python -m servers.model --backend scripted --script replies.jsonl --recorded example_rollouts.jsonl
+python -m servers.model --policy counter --recorded env:blackjack   # an env's bundled recordings
 python -m servers.model --backend openai --upstream-url http://127.0.0.1:8011
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import re
 from pathlib import Path
 
 from gymrpc import auth
@@ -21,6 +24,26 @@ from servers.model.requests import Limits
 from servers.model.service import ModelServicer
 
 POLICIES = ("counter",)
+ENV_DATA = re.compile(r"env:([a-z][a-z0-9_]*)")
+
+
+def recorded_path(value: str) -> Path:
+    """A `--recorded` value: a file, or `env:NAME` for the rollouts bundled with `envs/NAME`.
+
+    The short form lets a stack config (the embedded default) name packaged data without
+    knowing where the package is installed.
+    """
+    match = ENV_DATA.fullmatch(value)
+    if match is None:
+        return Path(value)
+    try:
+        module = importlib.import_module(f"envs.{match.group(1)}")
+    except ModuleNotFoundError:
+        raise argparse.ArgumentTypeError(f"{value!r}: there is no environment envs.{match.group(1)}") from None
+    path = Path(module.__file__ or "").parent / "data" / "example_rollouts.jsonl"
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{value!r}: {path} does not exist")
+    return path
 
 
 def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBackend:
@@ -69,7 +92,13 @@ def main() -> None:
     parser.add_argument("--cache-size", type=int, default=1024, help="replies kept for retries (LRU)")
     scripted = parser.add_argument_group("scripted backend (sources are tried in the order below)")
     scripted.add_argument("--script", action="append", default=[], help="JSONL of replies (repeatable)")
-    scripted.add_argument("--recorded", action="append", default=[], help="example_rollouts.jsonl to replay")
+    scripted.add_argument(
+        "--recorded",
+        action="append",
+        default=[],
+        type=recorded_path,
+        help="example_rollouts.jsonl to replay, or env:NAME for envs/NAME's bundled one",
+    )
     scripted.add_argument("--policy", action="append", default=[], choices=POLICIES, help="built-in policy")
     scripted.add_argument("--fallback", help="reply text when no source knows the turn (default: an error)")
     scripted.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")

@@ -66,6 +66,8 @@ class SessionHost:
         return len(self._slots)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.environment.runs_inline:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def shutdown(self) -> None:

@@ -1,0 +1,274 @@
+"""`gymrpc demo`: the main job in one command, with no GPU and no downloads.
+
+Starts the embedded default stack in a fresh run folder, collects rollouts of the counter
+and blackjack example tasks through their agents, SIGKILLs the model server a third of the
+way through, and shows that the supervisor brings it back on a new port under the same
+name while every episode still completes: model calls are idempotent, and the agents'
+`gymrpc.Client` re-resolves `model/policy` and retries them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gymrpc import logs, rundir
+
+if TYPE_CHECKING:  # the command line imports this module; the stack's modules load only when it runs
+    from gymrpc.launch.local import LocalLauncher, ServerState
+    from gymrpc.rollouts import Progress, Summary
+
+DEFAULT_DIR = Path(".gymrpc") / "demo"
+MARKER = "demo.json"
+KILLABLE = ("model/policy", "agent/counter", "agent/blackjack")
+"""Servers whose death costs no episode: model calls and whole `Run`s are retried by name."""
+ENVS = ("counter", "blackjack")
+MAX_SOCKET_PATH = 100
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=4, help="episodes per example task (default %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=8, help="episodes at once per env (default %(default)s)")
+    parser.add_argument(
+        "--kill",
+        default="model/policy",
+        choices=(*KILLABLE, "none"),
+        help="server to SIGKILL a third of the way through (default %(default)s)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.concurrency < 1:
+        print("gymrpc demo: --repeats and --concurrency must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        run_dir = _fresh_run_dir(Path(args.run_dir) if args.run_dir else DEFAULT_DIR)
+    except RuntimeError as exc:
+        print(f"gymrpc demo: {exc}", file=sys.stderr)
+        return 2
+    handler = logging.FileHandler(run_dir / "launcher.log")
+    handler.setFormatter(logs.JsonFormatter("demo"))
+    logging.getLogger().handlers[:] = [handler]  # server restarts are the story; log them to a file
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        return asyncio.run(_demo(run_dir, args))
+    except KeyboardInterrupt:
+        print("gymrpc demo: interrupted; the stack was stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:  # the stack did not start: the message carries the server's log tail
+        print(f"gymrpc demo: {exc}", file=sys.stderr)
+        return 1
+
+
+def _fresh_run_dir(wanted: Path) -> Path:
+    """`wanted`, emptied if an earlier demo left it; a temp folder if its socket path would be too long."""
+    run_dir = wanted.absolute()
+    if len(str(rundir.registry_socket(run_dir))) > MAX_SOCKET_PATH:
+        return Path(tempfile.mkdtemp(prefix="gymrpc-demo-"))
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not (run_dir / MARKER).exists():
+            raise RuntimeError(f"{run_dir} exists and was not made by `gymrpc demo`; pick another --run-dir")
+        _check_not_running(run_dir)
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / MARKER).write_text(json.dumps({"created_at": time.time()}) + "\n")
+    return run_dir
+
+
+def _check_not_running(run_dir: Path) -> None:
+    lock = run_dir / "launcher.lock"
+    if not lock.exists():
+        return
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RuntimeError(f"a stack is running in {run_dir}; stop it with `gymrpc down --run-dir {run_dir}`") from None
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Kill:
+    """The crash we inflict, and what the supervisor did about it."""
+
+    name: str
+    at_done: int
+    pid: int | None = None
+    address: str | None = None
+    in_flight: int = 0
+    killed_at: float = 0.0
+    restarted: asyncio.Event = field(default_factory=asyncio.Event)
+    watcher: asyncio.Task[None] | None = None
+
+
+async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
+    import envs.blackjack
+    import envs.counter
+    from gymrpc.client import Client
+    from gymrpc.launch.local import LocalLauncher
+    from gymrpc.launch.spec import load_stack_spec
+    from gymrpc.rollouts import EpisodeResult, Progress, ResultWriter, Summary, collect, load_tasks
+
+    say(f"gymrpc demo: run folder {_short(run_dir)}")
+    launcher = LocalLauncher(load_stack_spec(None), run_dir)
+    started = time.perf_counter()
+    say("starting the embedded default stack ...")
+    try:
+        await launcher.start()
+        say(f"{len(launcher.server_states())} servers serving in {time.perf_counter() - started:.1f} s:")
+        for s in launcher.server_states():
+            say(f"  {s.name:<20} {s.address}  (pid {s.pid})")
+        paths = {"counter": envs.counter.example_tasks_path(), "blackjack": envs.blackjack.example_tasks_path()}
+        tasks = {env: load_tasks(paths[env], prefix=env) for env in ENVS}
+        total = sum(len(t) for t in tasks.values()) * args.repeats
+        plan = ", ".join(f"{env} {len(t)} tasks x {args.repeats}" for env, t in tasks.items())
+        say(f"collecting {total} episodes ({plan}), {args.concurrency} at once per agent")
+        out = run_dir / "results.jsonl"
+        writer, progress = ResultWriter(out), Progress(total, sys.stdout, interval=2.0)
+        kill = _Kill(args.kill, at_done=max(total // 3, 1)) if args.kill != "none" else None
+        results: dict[str, list[EpisodeResult]] = {env: [] for env in ENVS}
+        running = 0
+
+        def on_start(*_: object) -> None:
+            nonlocal running
+            running += 1
+
+        def on_result(result: EpisodeResult) -> None:
+            nonlocal running
+            running -= 1
+            writer.write(result.to_json())
+            results[result.agent.partition("/")[2]].append(result)
+            progress.update(result)
+            if kill is not None and kill.pid is None and progress.done >= kill.at_done:
+                _inflict(launcher, kill, running, progress)
+
+        t0 = time.perf_counter()
+        async with Client(run_dir=run_dir) as client:
+            await asyncio.gather(
+                *(
+                    collect(
+                        client,
+                        tasks[env],
+                        agent=f"agent/{env}",
+                        concurrency=args.concurrency,
+                        repeats=args.repeats,
+                        on_start=on_start,
+                        on_result=on_result,
+                    )
+                    for env in ENVS
+                )
+            )
+        wall = time.perf_counter() - t0
+        writer.close()
+        progress.close()
+        if kill is not None and kill.watcher is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(kill.watcher, timeout=30)
+        everything = [r for env in ENVS for r in results[env]]
+        summary = Summary(everything, wall, total)
+        say(f"results ({_short(out)}, {writer.written} lines):")
+        for env in ENVS:
+            say("  " + _env_line(env, Summary(results[env], wall, len(tasks[env]) * args.repeats)))
+        p = summary.to_json()
+        say(
+            f"  {'all':<10} {len(summary.ok)}/{total} completed, {len(summary.failed)} failed, in {wall:.2f} s"
+            f" = {p['episodes_per_s']:.1f} episodes/s; latency p50 {p['latency_p50_s']:.3f} s"
+            f", p95 {p['latency_p95_s']:.3f} s"
+        )
+        for line in summary.lines()[1:]:
+            if line.startswith(("failures", "  ")):
+                say("  " + line)
+        say("the stack after the run, as `gymrpc status` shows it:")
+        say(await _status_table(run_dir))
+    finally:
+        stopping = time.perf_counter()
+        await launcher.stop()
+    say(f"stopped the stack in {time.perf_counter() - stopping:.1f} s; logs in {_short(run_dir / rundir.LOG_DIR)}")
+    complete = not summary.failed and len(summary.results) == total
+    survived = kill is None or kill.restarted.is_set()
+    if complete and survived:
+        crash = f" although {kill.name} was SIGKILLed mid-run" if kill is not None else ""
+        say(f"OK: all {total} episodes completed{crash}")
+        return 0
+    say(f"FAILED: {len(summary.failed)} episodes failed" + ("" if survived else f"; {args.kill} never came back"))
+    return 1
+
+
+def _server(launcher: LocalLauncher, name: str) -> ServerState:
+    return next(s for s in launcher.server_states() if s.name == name)
+
+
+def _inflict(launcher: LocalLauncher, kill: _Kill, running: int, progress: Progress) -> None:
+    """SIGKILL the server now, from inside the result callback, so episodes are certainly in flight."""
+    state = _server(launcher, kill.name)
+    if state.pid is None:
+        return
+    kill.pid, kill.address, kill.in_flight, kill.killed_at = state.pid, state.address, running, time.perf_counter()
+    os.kill(state.pid, signal.SIGKILL)
+    kill.watcher = asyncio.get_running_loop().create_task(_watch_restart(launcher, kill, progress))
+    progress.note(
+        f"  ! SIGKILL {kill.name} (pid {kill.pid}, {kill.address}) with {progress.done}/{progress.total}"
+        f" episodes done, {running} in flight"
+    )
+
+
+async def _watch_restart(launcher: LocalLauncher, kill: _Kill, progress: Progress) -> None:
+    while True:
+        state = _server(launcher, kill.name)
+        if state.restarts >= 1 and state.state == "serving" and state.pid != kill.pid:
+            progress.note(
+                f"  + the supervisor restarted {kill.name}: pid {state.pid} on {state.address}"
+                f" (was {kill.address}), serving {time.perf_counter() - kill.killed_at:.1f} s after the kill"
+            )
+            kill.restarted.set()
+            return
+        await asyncio.sleep(0.05)
+
+
+def _env_line(env: str, s: Summary) -> str:
+    mean = s.mean_reward
+    line = f"{env:<10} {len(s.ok)}/{s.planned} completed  mean reward {mean:+.3f}" if mean is not None else env
+    if env == "counter":
+        by_task = "  ".join(f"t{k} {sum(v) / len(v):.2f}" for k, v in sorted(s.by_task.items()))
+        return f"{line}  (by task: {by_task})"
+    outcomes = Counter(
+        json.loads(r.trajectory.verify_details_json or "{}").get("result", "?") for r in s.ok if r.trajectory
+    )
+    return f"{line}  (hands: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) + ")"
+
+
+async def _status_table(run_dir: Path) -> str:
+    from gymrpc.cli import _format_table, _read_state
+    from gymrpc.launch.local import _health_serving
+
+    state = _read_state(run_dir)
+    assert state is not None
+    servers = [s for s in state["servers"] if s["address"]]
+    checks = await asyncio.gather(*(_health_serving(s["address"]) for s in servers))
+    health = {s["name"]: "SERVING" if ok else "DOWN" for s, ok in zip(servers, checks, strict=True)}
+    return "\n".join(_format_table(run_dir, state, health).splitlines()[1:])
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _short(path: Path) -> str:
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)

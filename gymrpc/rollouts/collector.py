@@ -1,0 +1,182 @@
+"""The collector: run tasks through an agent by name, many at once, reporting each episode as it ends.
+
+A trainer calls `collect` directly; `gymrpc rollouts` is a thin layer over it. Every
+episode ends as an `EpisodeResult`, failed ones included, so nothing is silently
+dropped. Calls go through `gymrpc.Client`, so an agent, model or resources server that
+restarts mid-run costs time, not episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from gymrpc.client import Client
+from gymrpc.errors import GymrpcError, UnknownError
+from gymrpc.pbtime import seconds
+from gymrpc.rollouts.tasks import RolloutTask, check_prefix
+from gymrpc.v1 import agent_service_pb2 as agent_pb
+from gymrpc.v1 import common_pb2
+
+DEFAULT_TIMEOUT = 3600.0
+"""Seconds one episode may take from the collector's side, retries after a restart included."""
+
+
+@dataclass
+class EpisodeResult:
+    """One finished episode: its trajectory, or the error it ended with."""
+
+    task: RolloutTask
+    repeat: int
+    agent: str
+    policy_version: str
+    started_at: float
+    """Unix time the collector sent `Run`."""
+    latency_s: float
+    """Seconds from sending `Run` to its reply, as the collector saw them (restarts included)."""
+    trajectory: agent_pb.Trajectory | None = None
+    error: GymrpcError | None = None
+
+    @property
+    def episode_id(self) -> str:
+        return self.task.episode_id(self.repeat)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def reward(self) -> float | None:
+        return self.trajectory.reward if self.trajectory is not None else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The results-file line: summary fields first, then the whole trajectory."""
+        out: dict[str, Any] = {
+            "episode_id": self.episode_id,
+            "task_index": self.task.index,
+            "task_id": self.task.task.task_id,
+            "repeat": self.repeat,
+            "agent": self.agent,
+            "policy_version": self.policy_version,
+            "ok": self.ok,
+            "started_at": round(self.started_at, 6),
+            "finished_at": round(self.started_at + self.latency_s, 6),
+        }
+        t = self.trajectory
+        if t is not None:
+            out |= {
+                "reward": t.reward,
+                "steps": t.steps,
+                "stop_reason": agent_pb.StopReason.Name(t.stop_reason).removeprefix("STOP_REASON_").lower(),
+                "resume_count": t.resume_count,
+                "restart_count": t.restart_count,
+                "tokens": {"input": t.usage.input_tokens, "output": t.usage.output_tokens},
+                "timings": {
+                    "latency_s": round(self.latency_s, 6),
+                    "server_total_s": round(seconds(t.timing.total), 6),
+                    "parked_s": round(seconds(t.timing.parked), 6),
+                    "model_s": round(sum(seconds(c.latency) for c in t.model_calls), 6),
+                    "tools_s": round(sum(seconds(c.latency) for c in t.tool_calls), 6),
+                },
+                "model_calls": len(t.model_calls),
+                "tool_calls": len(t.tool_calls),
+            }
+        else:
+            out |= {"reward": None, "timings": {"latency_s": round(self.latency_s, 6)}}
+        if self.error is not None:
+            out["error"] = error_json(self.error)
+        if t is not None:
+            out["trajectory"] = MessageToDict(t, preserving_proto_field_name=True)
+        return out
+
+
+def error_json(err: GymrpcError) -> dict[str, str]:
+    return {"code": err.code.name, "reason": err.reason, "message": err.message}
+
+
+OnResult = Callable[[EpisodeResult], Awaitable[None] | None]
+OnStart = Callable[[RolloutTask, int], None]
+
+
+async def collect(
+    client: Client,
+    tasks: Sequence[RolloutTask | common_pb2.Task],
+    *,
+    agent: str = "agent/simple",
+    concurrency: int = 32,
+    repeats: int = 1,
+    policy_version: str = "",
+    max_steps: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+    skip: Collection[str] = (),
+    id_prefix: str | None = None,
+    on_start: OnStart | None = None,
+    on_result: OnResult | None = None,
+) -> list[EpisodeResult]:
+    """Run every task `repeats` times through `agent`, at most `concurrency` episodes at once.
+
+    Episodes run task by task, repeats of one task next to each other (a GRPO group
+    finishes together). `on_result` is called (and awaited if async) as each episode
+    ends, successful or not; an exception from it stops the collection. Episode ids in
+    `skip` are not run (a resumed collection). Bare `Task`s get ids `<id_prefix>-t<i>-r<repeat>`;
+    without `id_prefix`, a random one per call, so two calls never share an episode id (pass
+    one, for example the training step, to make a retried call recognisable). Returns the
+    results in finishing order.
+    Cancelling the call cancels the episodes in flight; results already reported stay.
+
+    Raises `NotFound` at once when `agent` was never registered.
+    """
+    if concurrency < 1 or repeats < 1:
+        raise ValueError(f"concurrency and repeats must be at least 1, got {concurrency} and {repeats}")
+    prefix = check_prefix(id_prefix) if id_prefix is not None else f"rollout-{uuid.uuid4().hex[:12]}"
+    items = [t if isinstance(t, RolloutTask) else RolloutTask(i, t, prefix) for i, t in enumerate(tasks)]
+    planned = [(t, r) for t in items for r in range(repeats) if t.episode_id(r) not in skip]
+    jobs = iter(planned)
+    await client.resolve(agent)  # a wrong name fails here, not once per episode
+    stub = client.agent(agent)
+    options = agent_pb.RunOptions(max_steps=max_steps)
+    results: list[EpisodeResult] = []
+
+    async def run_one(task: RolloutTask, repeat: int) -> EpisodeResult:
+        request = agent_pb.RunRequest(
+            task=task.task,
+            episode_id=common_pb2.EpisodeId(rollout_id=task.episode_id(repeat)),
+            policy_version=policy_version,
+            options=options,
+        )
+        started_at, started = time.time(), time.perf_counter()
+        result = EpisodeResult(task, repeat, agent, policy_version, started_at, 0.0)
+        try:
+            result.trajectory = (await stub.Run(request, timeout=timeout)).trajectory
+        except GymrpcError as err:
+            result.error = err
+        except Exception as exc:  # not a gRPC failure: still an episode that did not finish
+            result.error = UnknownError(f"{type(exc).__name__}: {exc}", reason="COLLECTOR_ERROR")
+        result.latency_s = time.perf_counter() - started
+        return result
+
+    async def worker() -> None:
+        for task, repeat in jobs:  # one shared iterator: each job is taken exactly once
+            if on_start is not None:
+                on_start(task, repeat)
+            result = await run_one(task, repeat)
+            results.append(result)
+            if on_result is not None:
+                maybe = on_result(result)
+                if inspect.isawaitable(maybe):
+                    await maybe
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(concurrency, len(planned))):
+                group.create_task(worker())
+    except BaseExceptionGroup as group_error:  # a failing on_result: raise it as itself
+        raise group_error.exceptions[0] from None
+    return results

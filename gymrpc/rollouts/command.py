@@ -1,0 +1,143 @@
+"""`gymrpc rollouts TASKS.jsonl --agent NAME --out results.jsonl`: the collector as a command.
+
+Exit codes: 0 every episode completed; 1 some failed (each is in the results file with
+its error); 2 bad arguments or task file; 3 no stack to talk to; 130 interrupted (what
+was written stays, and `--resume` continues from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+from gymrpc import rundir
+from gymrpc.client import Client
+from gymrpc.errors import GymrpcError, NotFound
+from gymrpc.rollouts.collector import DEFAULT_TIMEOUT, EpisodeResult, collect
+from gymrpc.rollouts.report import Progress, ResultWriter, Summary, done_ids
+from gymrpc.rollouts.tasks import RolloutTask, TaskFileError, load_tasks
+
+EXIT_FAILED, EXIT_USAGE, EXIT_NO_STACK, EXIT_INTERRUPTED = 1, 2, 3, 130
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("tasks", type=Path, help="task rows in the reference's JSONL format")
+    parser.add_argument("--agent", default="agent/simple", help="stable name of the agent (default %(default)s)")
+    parser.add_argument("--out", type=Path, required=True, help="results JSONL, one line per finished episode")
+    parser.add_argument("--concurrency", type=_positive, default=32, help="episodes at once (default %(default)s)")
+    parser.add_argument("--repeats", type=_positive, default=1, help="episodes per task (default %(default)s)")
+    parser.add_argument("--limit", type=_positive, help="only the first N tasks")
+    parser.add_argument("--policy-version", default="", help="weights version the episodes must use")
+    parser.add_argument("--max-steps", type=int, default=0, help="model calls per episode (default: the agent's)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help="seconds one episode may take, retries after restarts included (default %(default)s)",
+    )
+    parser.add_argument("--id-prefix", help="episode ids are PREFIX-t<task>-r<repeat> (default: the file's stem)")
+    existing = parser.add_mutually_exclusive_group()
+    existing.add_argument(
+        "--resume", action="store_true", help="append to --out, skipping episodes it already has as completed"
+    )
+    existing.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace, run_dir: Path | None = None) -> int:
+    """Run the command; every expected failure becomes a message on stderr and an exit code."""
+    try:
+        tasks = load_tasks(args.tasks, prefix=args.id_prefix, limit=args.limit)
+    except TaskFileError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    out: Path = args.out
+    if out.exists() and out.stat().st_size and not (args.resume or args.overwrite):
+        return _fail(f"{out} already exists; pass --resume to continue it or --overwrite to replace it", EXIT_USAGE)
+    skip = done_ids(out) if args.resume else set()
+    try:
+        return asyncio.run(_main(args, tasks, skip, run_dir or rundir.default_run_dir()))
+    except FileNotFoundError as exc:  # no registry address: no stack in the run folder
+        return _fail(str(exc), EXIT_NO_STACK)
+
+
+async def _main(args: argparse.Namespace, tasks: list[RolloutTask], skip: set[str], run_dir: Path) -> int:
+    planned = len(tasks) * args.repeats - sum(1 for t in tasks for r in range(args.repeats) if t.episode_id(r) in skip)
+    results: list[EpisodeResult] = []
+    interrupted = False
+    async with Client(run_dir=run_dir) as client:
+        try:  # before the results file is touched: a wrong name or a dead stack leaves no trace
+            await client.resolve(args.agent)
+        except NotFound as exc:
+            names = await _agent_names(client)
+            return _fail(f"{exc.message} (registered agents: {', '.join(names) or 'none'})", EXIT_USAGE)
+        except GymrpcError as exc:
+            return _fail(f"cannot reach the stack in {run_dir}: {exc}", EXIT_NO_STACK)
+        progress = Progress(planned, label=args.agent) if not args.quiet else None
+        writer = ResultWriter(args.out, append=args.resume)
+
+        def on_result(result: EpisodeResult) -> None:
+            writer.write(result.to_json())
+            results.append(result)
+            if progress is not None:
+                progress.update(result)
+
+        ticker = asyncio.get_running_loop().create_task(_tick(progress))
+        started = time.perf_counter()
+        try:
+            await collect(
+                client,
+                tasks,
+                agent=args.agent,
+                concurrency=args.concurrency,
+                repeats=args.repeats,
+                policy_version=args.policy_version,
+                max_steps=args.max_steps,
+                timeout=args.timeout,
+                skip=skip,
+                on_result=on_result,
+            )
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels us; keep what was written
+            interrupted = True
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        finally:
+            ticker.cancel()
+            writer.close()
+            if progress is not None:
+                progress.close()
+    summary = Summary(results, time.perf_counter() - started, planned, skipped=len(skip), interrupted=interrupted)
+    print("\n".join(summary.lines()))
+    print(f"results   {args.out} ({writer.written} lines written)")
+    if interrupted:
+        print(f"interrupted: rerun with --resume to run the {planned - len(results)} remaining", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if summary.failed else 0
+
+
+async def _tick(progress: Progress | None) -> None:
+    while progress is not None:
+        await asyncio.sleep(1.0)
+        progress.tick()
+
+
+async def _agent_names(client: Client) -> list[str]:
+    with contextlib.suppress(GymrpcError):
+        return sorted({e.name for e in await client.registry.list("agent/")})
+    return []
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"gymrpc rollouts: {message}", file=sys.stderr)
+    return code

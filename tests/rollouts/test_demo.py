@@ -1,0 +1,54 @@
+"""`gymrpc demo` end to end, as `bash scripts/demo.sh` runs it: every episode survives a model SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_completes_every_episode_despite_the_kill(run_dir: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gymrpc.cli", "demo", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "! SIGKILL model/policy" in out
+    assert "+ the supervisor restarted model/policy" in out
+    assert "OK: all 40 episodes completed although model/policy was SIGKILLed mid-run" in out
+    assert "counter    20/20 completed  mean reward +1.000" in out
+    assert "blackjack  20/20 completed" in out
+    model_row = next(line for line in out.splitlines() if line.strip().startswith("model/policy") and "SERVING" in line)
+    assert model_row.split()[5:] == ["1", "signal", "SIGKILL"]  # RESTARTS, LAST EXIT
+    assert len(out.splitlines()) <= 35
+    lines = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == 40
+    assert all(x["ok"] for x in lines)
+    assert {x["episode_id"] for x in lines} == {
+        f"{env}-t{t}-r{r}" for env in ("counter", "blackjack") for t in range(5) for r in range(4)
+    }
+    state = json.loads((run_dir / "stack.json").read_text())
+    assert state["state"] == "stopped"
+
+
+def test_demo_refuses_a_folder_it_did_not_make(run_dir: Path) -> None:
+    (run_dir / "precious.txt").write_text("keep me")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gymrpc.cli", "demo", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "was not made by `gymrpc demo`" in proc.stderr
+    assert (run_dir / "precious.txt").read_text() == "keep me"
