@@ -44,15 +44,19 @@ def _alive(pid: int) -> bool:
 
 def cmd_up(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
-    spec = load_stack_spec(Path(args.config) if args.config else None)
+    try:
+        spec = load_stack_spec(Path(args.config) if args.config else None)
+    except ValueError as exc:
+        print(f"gymrpc up: {exc}", file=sys.stderr)
+        return 2
     if args.detach:
         return _up_detached(args, run_dir)
-    from gymrpc.launch.local import LocalLauncher
+    from gymrpc.launch.base import create_launcher
 
     logs.configure("launcher")
 
     async def main() -> None:
-        launcher = LocalLauncher(spec, run_dir)
+        launcher = create_launcher(spec, run_dir)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -64,7 +68,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             starting.cancel()
         else:
             starting.result()
-            print(_format_table(launcher.run_dir, _read_state(launcher.run_dir)), file=sys.stderr, flush=True)
+            print(_format_table(run_dir, _read_state(run_dir)), file=sys.stderr, flush=True)
             await stopped
         await launcher.stop()
 

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,23 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gymrpc import auth, rundir
 from gymrpc.channels import insecure_channel, service_channel_options
 from gymrpc.errors import GymrpcError
+from gymrpc.launch.base import ServerState
 from gymrpc.launch.spec import ServerSpec, StackSpec
 from gymrpc.registry import RegistryClient
 
 log = logging.getLogger(__name__)
 REGISTRY_NAME = "registry/main"
-
-
-@dataclass
-class ServerState:
-    """What `gymrpc status` shows of one server."""
-
-    name: str
-    state: str = "starting"  # starting | serving | restarting | failed | stopped
-    pid: int | None = None
-    address: str | None = None
-    restarts: int = 0
-    last_exit: str | None = None
 
 
 class StartError(RuntimeError):

@@ -1,0 +1,52 @@
+"""The launcher interface: what `gymrpc up` needs from anything that places servers.
+
+A launcher starts the registry and every server of a `StackSpec`, keeps them alive
+(restarting the dead under the same names), reports their state, and stops them.
+The local launcher runs processes on this machine; a cluster launcher (Ray) places
+the same servers on several machines with the same names and registry protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from gymrpc.launch.spec import StackSpec
+
+
+@dataclass
+class ServerState:
+    """What `gymrpc status` shows of one server."""
+
+    name: str
+    state: str = "starting"  # starting | serving | restarting | failed | stopped
+    pid: int | None = None
+    address: str | None = None
+    restarts: int = 0
+    last_exit: str | None = None
+
+
+class Launcher(Protocol):
+    """Places, supervises and stops the servers of one stack."""
+
+    registry_address: str
+    """Where the stack's registry listens; written to the run folder for clients."""
+
+    async def start(self) -> None:
+        """Start the registry, then every server; return once all report SERVING."""
+
+    async def stop(self) -> None:
+        """Stop every server gracefully, callers first and the registry last."""
+
+    def server_states(self) -> list[ServerState]:
+        """Current state of every server, the registry included."""
+
+
+def create_launcher(spec: StackSpec, run_dir: Path) -> Launcher:
+    """The launcher the spec asks for (`launcher:` in the config)."""
+    if spec.launcher == "local":
+        from gymrpc.launch.local import LocalLauncher
+
+        return LocalLauncher(spec, run_dir)
+    raise ValueError(f"launcher {spec.launcher!r} is not available (only 'local')")
