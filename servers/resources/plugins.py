@@ -9,6 +9,7 @@ from gymrpc.envkit import Environment
 BUILTIN = {
     "counter": "envs.counter:CounterEnvironment",
     "blackjack": "envs.blackjack:BlackjackEnvironment",
+    "workplace": "envs.workplace_assistant:WorkplaceEnvironment",
 }
 
 

@@ -1,0 +1,278 @@
+"""Workplace session snapshots: gymrpc's Arrow codec and shared blocks against the reference's JSON.
+
+    .venv/bin/python bench/snapshots.py            # 1,000-session checkpoint, about a minute
+    .venv/bin/python bench/snapshots.py --quick    # 100 sessions, a few seconds (the smoke test)
+    .venv/bin/python bench/snapshots.py --json out.json
+
+Baselines, re-implemented from the reference's description (reference §3.1) and measured in
+the same run on the same sessions:
+
+- `ref-json`: NeMo Gym's `_encode_frame` export, `{container: {attribute: {"index": [...],
+  "columns": [{"name", "dtype", "values", "nan"}]}}}` as JSON (about 345 KB per fresh
+  session), decoded back into frames the way its `_decode_frame` does.
+- `to_json`: `DataFrame.to_json(orient="table")` per table (what the issue names); it cannot
+  encode the repeated index labels a created calendar event leaves, so mutated sessions that
+  created one are counted as failures.
+
+Ours: `cold` encodes every table (`encode_session`, no cache); `export` is what a session
+actually does (`Session.export`: tables it never changed reuse the seed blocks encoded once per
+process); `checkpoint` is one many-session checkpoint with each distinct block stored once
+(`gymrpc.snapshots.collect`), restored with `restore_sessions`. Sessions in the checkpoint make
+0-3 random state-changing calls each (seeded, with values of their own, so no two sessions'
+changed tables are alike); `--touch-all` also runs the worst case for sharing, where every
+session changes every table it can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from envs.workplace_assistant import WorkplaceEnvironment, WorkplaceSession
+from gymrpc.envkit import TaskSpec
+from gymrpc.snapshots import collect, decode_session, encode_session, pack, restore_sessions, unpack
+
+ENV = WorkplaceEnvironment()
+
+
+def mutations(n: int) -> list[tuple[str, dict[str, Any]]]:
+    """State-changing calls as the example tasks make them; `n` makes each session's changes its own."""
+    return [
+        ("email_send_email", {"recipient": "kofi.mensah@atlas.com", "subject": f"Plan {n}", "body": "See you Monday."}),
+        ("email_delete_email", {"email_id": f"{n % 500:08d}"}),
+        (
+            "calendar_create_event",
+            {
+                "event_name": f"Sync {n}",
+                "participant_email": "raj.patel@atlas.com",
+                "event_start": "2023-12-04 10:00:00",
+                "duration": "30",
+            },
+        ),
+        ("calendar_update_event", {"event_id": "00000252", "field": "event_name", "new_value": f"Forum {n}"}),
+        (
+            "analytics_create_plot",
+            {
+                "time_min": f"2023-11-{n % 30 + 1:02d}",
+                "time_max": "2023-11-30",
+                "value_to_plot": "total_visits",
+                "plot_type": "bar",
+            },
+        ),
+        ("project_management_update_task", {"task_id": "00000149", "field": "task_name", "new_value": f"Task {n}"}),
+        (
+            "customer_relationship_manager_add_customer",
+            {"customer_name": f"Ada {n}", "assigned_to_email": "raj.patel@atlas.com", "status": "Lead"},
+        ),
+        (
+            "customer_relationship_manager_update_customer",
+            {"customer_id": "00000095", "field": "notes", "new_value": f"Call {n}"},
+        ),
+    ]
+
+
+# -- the reference's JSON export (re-implemented from its description) ---------------------------
+
+
+def ref_encode(tables: dict[str, pd.DataFrame]) -> bytes:
+    state: dict[str, dict[str, Any]] = {}
+    for name, frame in tables.items():
+        container, attribute = name.split(".", 1)
+        columns = []
+        for label, series in frame.items():
+            values = series.tolist()
+            nan = [i for i, v in enumerate(values) if isinstance(v, float) and v != v]
+            for i in nan:
+                values[i] = None
+            columns.append({"name": label, "dtype": str(series.dtype), "values": values, "nan": nan})
+        state.setdefault(container, {})[attribute] = {"index": frame.index.tolist(), "columns": columns}
+    return json.dumps(state).encode()
+
+
+def ref_decode(payload: bytes) -> dict[str, pd.DataFrame]:
+    tables = {}
+    for container, attributes in json.loads(payload).items():
+        for attribute, doc in attributes.items():
+            labels = doc["index"]
+            index = pd.RangeIndex(len(labels)) if labels == list(range(len(labels))) else pd.Index(labels)
+            data = {}
+            for column in doc["columns"]:
+                values = column["values"]
+                for i in column["nan"]:
+                    values[i] = np.nan
+                data[column["name"]] = pd.Series(values, dtype=object, index=index).astype(column["dtype"])
+            tables[f"{container}.{attribute}"] = pd.DataFrame(data, index=index)
+    return tables
+
+
+def to_json_encode(tables: dict[str, pd.DataFrame]) -> bytes:
+    return json.dumps({name: frame.to_json(orient="table") for name, frame in tables.items()}).encode()
+
+
+def to_json_decode(payload: bytes) -> dict[str, pd.DataFrame]:
+    from io import StringIO
+
+    return {name: pd.read_json(StringIO(text), orient="table") for name, text in json.loads(payload).items()}
+
+
+# -- sessions --------------------------------------------------------------------------------------
+
+
+def new_session(calls: list[tuple[str, dict[str, Any]]]) -> WorkplaceSession:
+    session = ENV.seed(TaskSpec("bench", [], {"ground_truth": []}))[0]
+    for name, arguments in calls:
+        session.call_tool(name, arguments)
+    return session
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
+    """Median seconds of `repeat` runs, and the last result."""
+    times, result = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def one_session(label: str, calls: list[tuple[str, dict[str, Any]]], repeat: int) -> dict[str, Any]:
+    session = new_session(calls)
+    tables = session.tables.frames()
+    rows: dict[str, Any] = {}
+    enc, data = timed(lambda: ref_encode(tables), repeat)
+    dec, _ = timed(lambda: ref_decode(data), repeat)
+    rows["ref-json"] = (len(data), enc, dec)
+    try:
+        enc, data = timed(lambda: to_json_encode(tables), repeat)
+        dec, _ = timed(lambda: to_json_decode(data), repeat)
+        rows["to_json"] = (len(data), enc, dec)
+    except ValueError as exc:
+        rows["to_json"] = f"fails: {exc}"
+    meta = session.meta()
+    enc, data = timed(lambda: pack(encode_session(tables, meta)), repeat)
+    dec, _ = timed(lambda: _decode_payload(data), repeat)
+    rows["ours cold"] = (len(data), enc, dec)
+
+    changed = [name for name in session.tables if session.tables.version(name) > 0]
+
+    def export() -> bytes:
+        for name in changed:  # drop the cached block, so every run is the first export after the changes
+            session.tables.set(name, session.tables.get(name))
+        return session.export()
+
+    enc, data = timed(export, repeat)
+    dec, _ = timed(lambda: ENV.restore(data), repeat)
+    rows["ours export"] = (len(data), enc, dec)
+    return {"label": label, "rows": rows}
+
+
+def _decode_payload(data: bytes) -> dict[str, pd.DataFrame]:
+    exported = unpack(data)
+    return decode_session(exported.manifest, exported.blocks.__getitem__)
+
+
+def checkpoint(count: int, touch_all: bool, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    exports, ref_bytes, ref_enc, ref_dec = {}, 0, 0.0, 0.0
+    ours_enc = 0.0
+    for i in range(count):
+        calls = mutations(i) if touch_all else rng.sample(mutations(i), rng.randrange(4))
+        session = new_session(calls)
+        tables = session.tables.frames()
+        start = time.perf_counter()
+        payload = ref_encode(tables)
+        ref_enc += time.perf_counter() - start
+        ref_bytes += len(payload)
+        start = time.perf_counter()
+        ref_decode(payload)
+        ref_dec += time.perf_counter() - start
+        start = time.perf_counter()
+        exports[f"s{i}"] = session.export_tables()
+        ours_enc += time.perf_counter() - start
+        session.close()
+    start = time.perf_counter()
+    bundle = collect(exports)
+    ours_enc += time.perf_counter() - start
+    manifest_bytes, block_bytes = bundle.size()
+    start = time.perf_counter()
+    restored = restore_sessions(
+        bundle.manifests, bundle.blocks.__getitem__, lambda _sid, e, t: ENV.build_session(e, t), ENV.known_frames()
+    )
+    ours_dec = time.perf_counter() - start
+    assert len(restored) == count
+    return {
+        "sessions": count,
+        "touch_all": touch_all,
+        "distinct_blocks": len(bundle.blocks),
+        "ref_json": {"bytes": ref_bytes, "encode_s": ref_enc, "decode_s": ref_dec},
+        "ours": {
+            "bytes": manifest_bytes + block_bytes,
+            "manifest_bytes": manifest_bytes,
+            "block_bytes": block_bytes,
+            "encode_s": ours_enc,
+            "decode_s": ours_dec,
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="100 sessions, fewer repeats")
+    parser.add_argument("--sessions", type=int, help="sessions in the checkpoint (default 1000, 100 with --quick)")
+    parser.add_argument("--repeat", type=int, help="timed repeats per single-session figure (default 15, 5 quick)")
+    parser.add_argument(
+        "--touch-all", action="store_true", help="also run a checkpoint where every session changes every table"
+    )
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args()
+    count = args.sessions or (100 if args.quick else 1000)
+    repeat = args.repeat or (5 if args.quick else 15)
+    results: dict[str, Any] = {"pandas": pd.__version__, "sessions": []}
+    for label, calls in (("fresh session", []), ("mutated session", mutations(0))):
+        result = one_session(label, calls, repeat)
+        results["sessions"].append(result)
+        print(f"\n{label} (median of {repeat})")
+        print(f"  {'codec':12s} {'bytes':>10s} {'encode ms':>10s} {'decode ms':>10s}")
+        for codec, row in result["rows"].items():
+            if isinstance(row, str):
+                print(f"  {codec:12s} {row[:70]}")
+            else:
+                print(f"  {codec:12s} {row[0]:10d} {row[1] * 1e3:10.2f} {row[2] * 1e3:10.2f}")
+        ref, ours = result["rows"]["ref-json"], result["rows"]["ours export"]
+        ratios = f"bytes: {ref[0] / ours[0]:.1f}x  encode: {ref[1] / ours[1]:.1f}x  decode: {ref[2] / ours[2]:.1f}x"
+        print(f"RATIO {label.split()[0]} {ratios}")
+    runs = [False, True] if args.touch_all else [False]
+    results["checkpoints"] = []
+    for touch_all in runs:
+        c = checkpoint(count, touch_all, seed=7)
+        results["checkpoints"].append(c)
+        ref, ours = c["ref_json"], c["ours"]
+        kind = "every session changed every table" if touch_all else "0-3 random changes per session"
+        print(f"\ncheckpoint of {count} sessions ({kind}); {c['distinct_blocks']} distinct blocks")
+        print(f"  ref-json  {ref['bytes']:12d} B  encode {ref['encode_s']:.2f} s  decode {ref['decode_s']:.2f} s")
+        print(
+            f"  ours      {ours['bytes']:12d} B  encode {ours['encode_s']:.2f} s  decode {ours['decode_s']:.2f} s"
+            f"  (manifests {ours['manifest_bytes']} B, blocks {ours['block_bytes']} B)"
+        )
+        print(
+            f"RATIO checkpoint{'-touch-all' if touch_all else ''} bytes: {ref['bytes'] / ours['bytes']:.1f}x  "
+            f"encode: {ref['encode_s'] / ours['encode_s']:.1f}x  decode: {ref['decode_s'] / ours['decode_s']:.1f}x"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

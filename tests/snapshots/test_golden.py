@@ -1,0 +1,28 @@
+"""Snapshots written by the version-1 codec must decode, today and later, to exactly the same frames."""
+
+from __future__ import annotations
+
+import pytest
+
+from gymrpc.snapshots import TABLE_FORMAT_VERSION, decode_session, decode_table, frame_differences, unpack
+from tests.snapshots.golden_frames import FRAMES, GOLDEN, SESSION_META, SESSION_PAYLOAD, SESSION_TABLES
+
+
+@pytest.mark.parametrize("name", sorted(FRAMES))
+def test_golden_tables_still_decode_exactly(name: str) -> None:
+    data = (GOLDEN / f"{name}.v1.arrow").read_bytes()
+    assert frame_differences(FRAMES[name](), decode_table(data)) == []
+
+
+def test_golden_session_payload_still_unpacks_and_decodes() -> None:
+    session = unpack((GOLDEN / SESSION_PAYLOAD).read_bytes())
+    assert dict(session.manifest.meta) == SESSION_META
+    tables = decode_session(session.manifest, session.blocks.__getitem__)
+    assert sorted(tables) == sorted(SESSION_TABLES)
+    for name in SESSION_TABLES:
+        assert frame_differences(FRAMES[name](), tables[name]) == []
+
+
+def test_every_golden_file_is_covered() -> None:
+    expected = {f"{name}.v{TABLE_FORMAT_VERSION}.arrow" for name in FRAMES} | {SESSION_PAYLOAD}
+    assert {p.name for p in GOLDEN.iterdir()} == expected
