@@ -179,7 +179,8 @@ class Client:
         request = agent_service_pb2.RunRequest(
             task=task, episode_id=episode_id, policy_version=policy_version, options=options
         )
-        reply = await self.agent(agent).Run(request, timeout=RUN_TIMEOUT if timeout is None else timeout)
+        stub: Any = self.agent(agent)
+        reply = await stub.Run(request, timeout=RUN_TIMEOUT if timeout is None else timeout)
         return reply.trajectory
 
     # -- resolution ----------------------------------------------------------------------

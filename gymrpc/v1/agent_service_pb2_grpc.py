@@ -62,11 +62,14 @@ class AgentServiceServicer:
     def Run(self, request, context):
         """Runs one episode to the end and returns its trajectory.
 
-        Errors: INVALID_ARGUMENT for a malformed task or id; ALREADY_EXISTS
+        Errors: INVALID_ARGUMENT for a malformed task or id (with durable resume
+        on, also for a missing `episode_id` or `policy_version`); ALREADY_EXISTS
         (`FINGERPRINT_MISMATCH`) when the episode id was used for another task;
         ABORTED (`LEASE_HELD`, with `RetryInfo`) while another `Run` of the same
         episode is in progress; FAILED_PRECONDITION (`STALE_ATTEMPT`) for a
-        retired attempt.
+        retired attempt, (`SNAPSHOT_UNSUPPORTED`) when resume is on and the
+        resources server cannot snapshot sessions; DATA_LOSS when the episode's
+        stored checkpoint is corrupt (it is left untouched).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

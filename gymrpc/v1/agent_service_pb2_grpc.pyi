@@ -41,11 +41,14 @@ class AgentServiceStub:
     Run: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.RunRequest, _agent_service_pb2.RunResponse]
     """Runs one episode to the end and returns its trajectory.
 
-    Errors: INVALID_ARGUMENT for a malformed task or id; ALREADY_EXISTS
+    Errors: INVALID_ARGUMENT for a malformed task or id (with durable resume
+    on, also for a missing `episode_id` or `policy_version`); ALREADY_EXISTS
     (`FINGERPRINT_MISMATCH`) when the episode id was used for another task;
     ABORTED (`LEASE_HELD`, with `RetryInfo`) while another `Run` of the same
     episode is in progress; FAILED_PRECONDITION (`STALE_ATTEMPT`) for a
-    retired attempt.
+    retired attempt, (`SNAPSHOT_UNSUPPORTED`) when resume is on and the
+    resources server cannot snapshot sessions; DATA_LOSS when the episode's
+    stored checkpoint is corrupt (it is left untouched).
     """
     RunStream: _grpc.UnaryStreamMultiCallable[_agent_service_pb2.RunStreamRequest, _agent_service_pb2.RunStreamResponse]
     """Like `Run`, reporting progress events, then the trajectory."""
@@ -63,11 +66,14 @@ class AgentServiceAsyncStub(AgentServiceStub):
     Run: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.RunRequest, _agent_service_pb2.RunResponse]  # type: ignore[assignment]
     """Runs one episode to the end and returns its trajectory.
 
-    Errors: INVALID_ARGUMENT for a malformed task or id; ALREADY_EXISTS
+    Errors: INVALID_ARGUMENT for a malformed task or id (with durable resume
+    on, also for a missing `episode_id` or `policy_version`); ALREADY_EXISTS
     (`FINGERPRINT_MISMATCH`) when the episode id was used for another task;
     ABORTED (`LEASE_HELD`, with `RetryInfo`) while another `Run` of the same
     episode is in progress; FAILED_PRECONDITION (`STALE_ATTEMPT`) for a
-    retired attempt.
+    retired attempt, (`SNAPSHOT_UNSUPPORTED`) when resume is on and the
+    resources server cannot snapshot sessions; DATA_LOSS when the episode's
+    stored checkpoint is corrupt (it is left untouched).
     """
     RunStream: _aio.UnaryStreamMultiCallable[_agent_service_pb2.RunStreamRequest, _agent_service_pb2.RunStreamResponse]  # type: ignore[assignment]
     """Like `Run`, reporting progress events, then the trajectory."""
@@ -88,11 +94,14 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_agent_service_pb2.RunResponse, _abc.Awaitable[_agent_service_pb2.RunResponse]]:
         """Runs one episode to the end and returns its trajectory.
 
-        Errors: INVALID_ARGUMENT for a malformed task or id; ALREADY_EXISTS
+        Errors: INVALID_ARGUMENT for a malformed task or id (with durable resume
+        on, also for a missing `episode_id` or `policy_version`); ALREADY_EXISTS
         (`FINGERPRINT_MISMATCH`) when the episode id was used for another task;
         ABORTED (`LEASE_HELD`, with `RetryInfo`) while another `Run` of the same
         episode is in progress; FAILED_PRECONDITION (`STALE_ATTEMPT`) for a
-        retired attempt.
+        retired attempt, (`SNAPSHOT_UNSUPPORTED`) when resume is on and the
+        resources server cannot snapshot sessions; DATA_LOSS when the episode's
+        stored checkpoint is corrupt (it is left untouched).
         """
 
     @_abc_1.abstractmethod

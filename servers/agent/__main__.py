@@ -1,20 +1,36 @@
 """Run an agent: `python -m servers.agent --resources resources/counter --model model/policy`.
 
 The agent reaches resources and model by their stable names through the registry, so it
-follows them when they restart on new ports.
+follows them when they restart on new ports. `--resume-dir PATH` turns on durable resume:
+every episode is checkpointed at each boundary under PATH, and a retried `Run` (after the
+agent itself was killed, say) continues it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
+import resource
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 from gymrpc.client import Client
 from gymrpc.errors import GymrpcError
 from gymrpc.ids import check_service_name
+from gymrpc.store import FilesystemEpisodeStore
 from gymrpc.v1 import agent_service_pb2 as pb
 from gymrpc.v1 import agent_service_pb2_grpc as pb_grpc
+from servers.agent.durable import ResumeConfig
+from servers.agent.faults import CrashingResources, CrashPlan
 from servers.agent.service import AgentConfig, AgentServicer
 from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+
+log = logging.getLogger("servers.agent")
+SWEEP_INTERVAL = 600.0
+"""Seconds between deletions of expired completed episodes."""
 
 
 def main() -> None:
@@ -53,6 +69,26 @@ def main() -> None:
         default=defaults.call_timeout,
         help="seconds one resources or model call may take, retries included (default %(default)s)",
     )
+    resume = parser.add_argument_group("durable resume (SPEC §6)")
+    resume.add_argument("--resume-dir", type=Path, help="checkpoint every episode under this folder; off when unset")
+    resume.add_argument(
+        "--completed-ttl",
+        type=float,
+        default=ResumeConfig.completed_ttl,
+        help="seconds a completed episode's result is kept for retries (default %(default)s)",
+    )
+    resume.add_argument(
+        "--require-policy-version",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Run must name policy_version (default on)",
+    )
+    resume.add_argument(
+        "--resume-sync",
+        choices=("file", "filesystem"),
+        default="file",
+        help="how saves are made durable: fsync per file (default) or syncfs per batch",
+    )
     args = parser.parse_args()
     server_config = config_from_arguments(args)
     if not server_config.registry:
@@ -67,23 +103,68 @@ def main() -> None:
             max_steps_limit=args.max_steps_limit,
             episode_timeout=args.episode_timeout,
             call_timeout=args.call_timeout,
+            resume=None
+            if args.resume_dir is None
+            else ResumeConfig(completed_ttl=args.completed_ttl, require_policy_version=args.require_policy_version),
         )
+        crash = CrashPlan.from_environ()
+        store = None
+        if args.resume_dir is not None:
+            _raise_open_file_limit()  # one lock file per running episode
+            store = FilesystemEpisodeStore(args.resume_dir, sync=args.resume_sync)
     except GymrpcError as exc:
         parser.error(exc.message)
     except ValueError as exc:
         parser.error(str(exc))
+    except OSError as exc:
+        parser.error(f"--resume-dir {args.resume_dir}: {exc}")
 
     async def main_async() -> None:
         client = Client(registry=server_config.registry, token=server_config.token)
-        servicer = AgentServicer(config, client.resources(config.resources_name), client.model(config.model_name))
+        resources: Any = client.resources(config.resources_name)
+        if crash is not None:
+            resources = CrashingResources(resources, crash)
+        sweeper = None
+        if store is not None:
+            sweeper = asyncio.get_running_loop().create_task(_sweep(store))
+            log.info("durable resume on", extra={"resume_dir": str(store.root), "sync": args.resume_sync})
+        servicer = AgentServicer(config, resources, client.model(config.model_name), store=store, crash=crash)
         binding = ServiceBinding(
             pb.DESCRIPTOR.services_by_name["AgentService"],
             servicer,
             pb_grpc.add_AgentServiceServicer_to_server,
         )
-        await serve(server_config, [binding], on_stop=client.close)
+
+        async def on_stop() -> None:
+            await client.close()
+            if store is not None and sweeper is not None:
+                sweeper.cancel()
+                await store.close()
+                log.info("episode store stats", extra=asdict(store.committer.stats))
+
+        await serve(server_config, [binding], on_stop=on_stop)
 
     run(f"agent:{args.name.partition('/')[2]}", main_async, args.log_level)
+
+
+async def _sweep(store: FilesystemEpisodeStore) -> None:
+    """Delete expired completed episodes now and then; a failure is logged, never fatal."""
+    while True:
+        try:
+            deleted = await store.delete_expired()
+            if deleted:
+                log.info("expired episodes deleted", extra={"deleted": deleted})
+        except Exception:
+            log.exception("expiry sweep failed")
+        await asyncio.sleep(SWEEP_INTERVAL)
+
+
+def _raise_open_file_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class EpisodeLoop:
                 yield message
         except BaseException:
             if state.phase not in (Phase.NEW, Phase.COMPLETED):
-                self._close_in_background(state)
+                self.close_in_background(state)
             raise
 
     async def run(self, state: EpisodeState) -> agent_pb.Trajectory:
@@ -117,7 +117,7 @@ class EpisodeLoop:
         request = resources_pb.SeedSessionRequest(
             session_id=state.session_id, episode_id=state.episode_id, task=state.task
         )
-        reply = await self._resources("SeedSession", request)
+        reply = await self.call_resources("SeedSession", request)
         state.messages = [*state.task.input, *(_as_role(m, common_pb2.ROLE_USER) for m in reply.observations)]
         state.tools = list(state.task.tools or reply.tools)
         state.phase = Phase.READY_FOR_MODEL
@@ -174,7 +174,7 @@ class EpisodeLoop:
         started = time.perf_counter()
         if call.name:
             request = resources_pb.CallToolRequest(session_id=state.session_id, episode_id=state.episode_id, call=call)
-            reply = await self._resources("CallTool", request)
+            reply = await self.call_resources("CallTool", request)
             output, is_error = reply.output, reply.is_error
         else:  # the resources server refuses nameless calls; the model should hear why instead
             output, is_error = NO_NAME_ERROR, True
@@ -199,7 +199,7 @@ class EpisodeLoop:
             turn_id=state.turn_id(state.step - 1),
             message=state.messages[-1],
         )
-        reply = await self._resources("Step", request)
+        reply = await self.call_resources("Step", request)
         state.messages.extend(_as_role(m, common_pb2.ROLE_USER) for m in reply.observations)
         if reply.terminated:
             # The protocol has no dedicated reason (yet): a natural end is the text-env final answer.
@@ -214,8 +214,8 @@ class EpisodeLoop:
         request = resources_pb.VerifyRequest(
             session_id=state.session_id, episode_id=state.episode_id, messages=state.messages
         )
-        state.verify = await self._resources("Verify", request)
-        await self._resources(
+        state.verify = await self.call_resources("Verify", request)
+        await self.call_resources(
             "CloseSession",
             resources_pb.CloseSessionRequest(session_id=state.session_id, episode_id=state.episode_id),
         )
@@ -225,21 +225,22 @@ class EpisodeLoop:
 
     async def list_tools(self) -> resources_pb.ListToolsResponse:
         """The environment's description: its tools and whether it takes text turns."""
-        return await self._resources("ListTools", resources_pb.ListToolsRequest())
+        return await self.call_resources("ListTools", resources_pb.ListToolsRequest())
 
-    async def _resources(self, method: str, request: Any, seconds: float | None = None) -> Any:
+    async def call_resources(self, method: str, request: Any, seconds: float | None = None) -> Any:
+        """`method` on the resources server, with the call timeout; errors name the call."""
         return await _call(self.resources, self.resources_name, method, request, seconds or self.call_timeout)
 
     async def _model(self, method: str, request: Any) -> Any:
         return await _call(self.model, self.model_name, method, request, self.call_timeout)
 
-    def _close_in_background(self, state: EpisodeState) -> None:
+    def close_in_background(self, state: EpisodeState) -> None:
         """Free the session of an episode that will not complete; the failure itself is the caller's."""
 
         async def close() -> None:
             request = resources_pb.CloseSessionRequest(session_id=state.session_id, episode_id=state.episode_id)
             try:
-                await self._resources("CloseSession", request, seconds=CLOSE_TIMEOUT)
+                await self.call_resources("CloseSession", request, seconds=CLOSE_TIMEOUT)
             except Exception as exc:
                 log.warning(
                     "could not close the session of a failed episode: %s",

@@ -3,6 +3,8 @@
 Bad input is refused with INVALID_ARGUMENT before any downstream call; downstream errors
 reach the caller as the same error class with the failing call named (the loop adds it).
 Every episode is a few awaits on the one event loop, so hundreds run concurrently.
+With durable resume on (`AgentConfig.resume` and a store), episodes go through
+`servers.agent.durable`, which checkpoints every boundary and continues retried runs.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from gymrpc.errors import Aborted, DeadlineExceeded, InvalidArgument
 from gymrpc.ids import check_id
 from gymrpc.messages import ROLE_NAMES, parse_json_object
 from gymrpc.pbtime import seconds
+from gymrpc.store import EpisodeStore
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gymrpc.v1 import resources_service_pb2 as resources_pb
+from servers.agent.durable import DurableEpisodes, ResumeConfig
+from servers.agent.faults import CrashPlan
 from servers.agent.loop import EpisodeLoop
 from servers.agent.state import EpisodeState, Phase
 
@@ -45,6 +50,8 @@ class AgentConfig:
     """Seconds an episode may run when the request does not say."""
     call_timeout: float = 300.0
     """Seconds one downstream call may take, retries after UNAVAILABLE included."""
+    resume: ResumeConfig | None = None
+    """Durable resume options; None runs episodes without checkpoints."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_steps <= self.max_steps_limit:
@@ -54,9 +61,20 @@ class AgentConfig:
 
 
 class AgentServicer(agent_grpc.AgentServiceServicer):
-    """Runs episodes against one resources server and one model, both given as stubs."""
+    """Runs episodes against one resources server and one model, both given as stubs.
 
-    def __init__(self, config: AgentConfig, resources: Any, model: Any) -> None:
+    `store` is required when `config.resume` is set; `crash` is fault injection for tests.
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        resources: Any,
+        model: Any,
+        *,
+        store: EpisodeStore | None = None,
+        crash: CrashPlan | None = None,
+    ) -> None:
         self.config = config
         self.loop = EpisodeLoop(
             resources,
@@ -68,9 +86,22 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
         self._environment: resources_pb.ListToolsResponse | None = None
         self._environment_lock = asyncio.Lock()
         self._running: set[tuple[str, int]] = set()
+        self.durable: DurableEpisodes | None = None
+        if config.resume is not None:
+            if store is None:
+                raise ValueError("durable resume needs an episode store")
+            self.durable = DurableEpisodes(self.loop, store, config.resume, crash=crash)
 
     async def Run(self, request: agent_pb.RunRequest, context: grpc.aio.ServicerContext) -> agent_pb.RunResponse:
         state, timeout = await self._prepare(request)
+        if self.durable is not None:
+            trajectory = None
+            run = self.durable.run(state, progress=False)
+            async with _deadline(state, timeout), contextlib.aclosing(run) as events:
+                async for event in events:
+                    if event.HasField("trajectory"):
+                        trajectory = event.trajectory
+            return agent_pb.RunResponse(trajectory=trajectory)
         with self._hold(state):
             async with _deadline(state, timeout):
                 trajectory = await self.loop.run(state)
@@ -80,6 +111,11 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
         self, request: agent_pb.RunStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
         state, timeout = await self._prepare(request.request)
+        if self.durable is not None:
+            async with _deadline(state, timeout), contextlib.aclosing(self.durable.run(state)) as events:
+                async for event in events:
+                    yield event
+            return
         with self._hold(state):
             async with _deadline(state, timeout), contextlib.aclosing(self.loop.steps(state)) as steps:
                 async for message in steps:
@@ -91,6 +127,8 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
     async def _prepare(self, request: agent_pb.RunRequest) -> tuple[EpisodeState, float]:
         """Validate the request and build the episode's initial state (no episode side effects)."""
         _check_task(request)
+        if self.config.resume is not None:
+            _check_resumable(request, self.config.resume)
         rollout_id, attempt = _episode_identity(request)
         options = request.options
         max_steps = options.max_steps or self.config.max_steps
@@ -187,6 +225,21 @@ def _check_text(value: str, field: str) -> None:
     if len(value) > MAX_TEXT_ID_LEN or not value.isprintable():
         raise InvalidArgument(
             f"{field} must be printable and at most {MAX_TEXT_ID_LEN} characters", metadata={"field": field}
+        )
+
+
+def _check_resumable(request: agent_pb.RunRequest, resume: ResumeConfig) -> None:
+    """With durable resume the caller names the episode (and the weights): a retry must find it again."""
+    if not request.episode_id.rollout_id:
+        raise InvalidArgument(
+            "durable resume is on: episode_id.rollout_id is required, so that a retried Run continues the episode",
+            metadata={"field": "episode_id.rollout_id"},
+        )
+    if resume.require_policy_version and not request.policy_version:
+        raise InvalidArgument(
+            "durable resume is on: policy_version is required (a checkpoint made with other weights is archived); "
+            "start the agent with --no-require-policy-version to allow runs without one",
+            metadata={"field": "policy_version"},
         )
 
 

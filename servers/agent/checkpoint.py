@@ -1,0 +1,152 @@
+"""`EpisodeState` ⇄ `EpisodeCheckpoint`: what is written at a boundary and how a run is rebuilt from it.
+
+The record is updated in place at every boundary and only grows at the end of its
+lists (the loop only ever appends messages and call records), so a save copies the
+new tail, not the whole conversation. A record read back is checked against the
+phase invariants of `EpisodeState` before the loop trusts it: a record that could not
+have been written by this code is DATA_LOSS, not a crash halfway through a resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from gymrpc.errors import DataLoss
+from gymrpc.ids import ROLLOUT_ID
+from gymrpc.pbtime import duration, seconds
+from gymrpc.store import SCHEMA_VERSION, EpisodeCheckpoint
+from gymrpc.v1 import agent_service_pb2 as agent_pb
+from gymrpc.v1 import common_pb2
+from servers.agent.state import EpisodeState, Phase
+
+_RUNNING = (Phase.READY_FOR_MODEL, Phase.READY_FOR_TOOL, Phase.READY_FOR_VERIFY)
+_IN_PROGRESS_FIELDS = ("tools", "messages", "pending_tool_calls", "model_calls", "tool_calls", "usage")
+
+
+def fingerprint(task: common_pb2.Task) -> str:
+    """`sha256:<hex>` of the task's deterministic bytes: the same id with another task is a conflict."""
+    return "sha256:" + hashlib.sha256(task.SerializeToString(deterministic=True)).hexdigest()
+
+
+def new_record(state: EpisodeState, request_fingerprint: str, *, restart_count: int = 0) -> EpisodeCheckpoint:
+    """The record of an episode that has not been seeded yet (revision 0: nothing stored)."""
+    state.restart_count = restart_count
+    return EpisodeCheckpoint(
+        schema_version=SCHEMA_VERSION,
+        episode_id=state.episode_id,
+        request_fingerprint=request_fingerprint,
+        policy_version=state.policy_version,
+        phase=agent_pb.EPISODE_PHASE_UNSPECIFIED,
+        max_steps=state.max_steps,
+        text_turns=state.text_turns,
+        session_id=state.session_id,
+        restart_count=restart_count,
+    )
+
+
+def record_boundary(
+    record: EpisodeCheckpoint, state: EpisodeState, snapshot: common_pb2.SessionSnapshot | None
+) -> None:
+    """Bring `record` to the boundary `state` stands at; `snapshot` replaces the session state if given."""
+    record.phase = int(state.phase)  # type: ignore[assignment]
+    record.step, record.next_tool_index = state.step, state.next_tool_index
+    record.stop_reason = state.stop_reason  # type: ignore[assignment]
+    record.resume_count, record.restart_count = state.resume_count, state.restart_count
+    record.elapsed.CopyFrom(duration(state.elapsed_s))
+    if not state.task.tools and len(record.tools) != len(state.tools):
+        _replace(record.tools, state.tools)
+    _append_tail(record.messages, state.messages)
+    _append_tail(record.model_calls, state.model_calls)
+    _append_tail(record.tool_calls, state.tool_calls)
+    _replace(record.pending_tool_calls, state.pending_tool_calls)
+    record.usage.CopyFrom(state.usage)
+    if snapshot is not None:
+        record.resource_snapshot.CopyFrom(snapshot)
+
+
+def record_completion(record: EpisodeCheckpoint, state: EpisodeState, ttl_s: float) -> None:
+    """The completed record: identity, counters and the final trajectory; in-progress state is dropped."""
+    record.phase = int(state.phase)  # type: ignore[assignment]
+    record.step, record.next_tool_index = state.step, 0
+    record.stop_reason = state.stop_reason  # type: ignore[assignment]
+    record.resume_count, record.restart_count = state.resume_count, state.restart_count
+    record.elapsed.CopyFrom(duration(state.elapsed_s))
+    for name in (*_IN_PROGRESS_FIELDS, "resource_snapshot"):
+        record.ClearField(name)  # type: ignore[arg-type]
+    record.final_result.CopyFrom(state.trajectory())
+    record.expires_at.FromNanoseconds(time.time_ns() + int(ttl_s * 1e9))
+
+
+def restore_state(state: EpisodeState, record: EpisodeCheckpoint) -> None:
+    """Put `state` (identity and task already set) back at the boundary `record` describes."""
+    check_running(record)
+    state.phase = Phase(record.phase)
+    state.step, state.next_tool_index = record.step, record.next_tool_index
+    state.max_steps, state.text_turns = record.max_steps, record.text_turns
+    state.session_id = record.session_id
+    state.tools = _copies(record.tools) if record.tools else list(state.task.tools)
+    state.messages = _copies(record.messages)
+    state.pending_tool_calls = _copies(record.pending_tool_calls)
+    state.model_calls = _copies(record.model_calls)
+    state.tool_calls = _copies(record.tool_calls)
+    state.usage = common_pb2.Usage()
+    state.usage.CopyFrom(record.usage)
+    state.stop_reason = record.stop_reason
+    state.verify = None
+    state.resume_count, state.restart_count = record.resume_count, record.restart_count
+    state.elapsed_s = seconds(record.elapsed)
+
+
+def check_completed(record: EpisodeCheckpoint) -> None:
+    """DATA_LOSS unless a completed record holds the trajectory it is kept for."""
+    if not record.HasField("final_result") or record.final_result.episode_id.rollout_id != record.episode_id.rollout_id:
+        label = record.episode_id.rollout_id
+        raise DataLoss(
+            f"the checkpoint of episode {label!r} is completed but holds no trajectory of it; nothing was changed",
+            metadata={"rollout_id": label},
+        )
+
+
+def check_running(record: EpisodeCheckpoint) -> None:
+    """DATA_LOSS unless `record` is an in-progress record this code could have written."""
+    label = record.episode_id.rollout_id
+    problems = []
+    if record.phase not in _RUNNING:
+        problems.append(f"phase {record.phase} is not a running phase")
+    if not record.HasField("resource_snapshot") or not record.resource_snapshot.format_name:
+        problems.append("it has no resources session snapshot")
+    if not ROLLOUT_ID.fullmatch(record.session_id):
+        problems.append(f"session_id {record.session_id[:140]!r} is invalid")
+    if record.max_steps < 1 or record.step > record.max_steps:
+        problems.append(f"step {record.step} of max_steps {record.max_steps}")
+    if record.next_tool_index > len(record.pending_tool_calls):
+        problems.append(f"next_tool_index {record.next_tool_index} past {len(record.pending_tool_calls)} calls")
+    if len(record.messages) < record.step or len(record.model_calls) != record.step:
+        problems.append(f"{len(record.model_calls)} model calls recorded for step {record.step}")
+    if problems:
+        raise DataLoss(
+            f"the checkpoint of episode {label!r} is inconsistent: {'; '.join(problems)}; nothing was changed",
+            metadata={"rollout_id": label},
+        )
+
+
+def _append_tail(target: Any, source: list[Any]) -> None:
+    if len(target) > len(source):  # never happens with the loop's append-only lists; stay correct anyway
+        del target[:]
+    target.extend(source[len(target) :])
+
+
+def _replace(target: Any, source: list[Any]) -> None:
+    del target[:]
+    target.extend(source)
+
+
+def _copies(items: Any) -> list[Any]:
+    out = []
+    for item in items:
+        copy = type(item)()
+        copy.CopyFrom(item)
+        out.append(copy)
+    return out
