@@ -196,6 +196,26 @@ class GetStatusResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class DetailsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     KIND_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     PHASE_FIELD_NUMBER: _builtins.int
@@ -205,6 +225,7 @@ class GetStatusResponse(_message.Message):
     RETIRED_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
     kind: Global___ParticipantKind.ValueType
     """Participant kind."""
     name: _builtins.str
@@ -231,6 +252,10 @@ class GetStatusResponse(_message.Message):
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When the server process started."""
 
+    @_builtins.property
+    def details(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Role-specific facts (for example `mode`, `verify`, `last_abort`)."""
+
     def __init__(
         self,
         *,
@@ -243,10 +268,11 @@ class GetStatusResponse(_message.Message):
         retired: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         pid: _builtins.int = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
+        details: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expire_time", b"lease_expire_time", "report", b"report", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "kind", b"kind", "lease_expire_time", b"lease_expire_time", "name", b"name", "phase", b"phase", "pid", b"pid", "report", b"report", "retired", b"retired", "start_time", b"start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "details", b"details", "kind", b"kind", "lease_expire_time", b"lease_expire_time", "name", b"name", "phase", b"phase", "pid", b"pid", "report", b"report", "retired", b"retired", "start_time", b"start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -447,6 +473,8 @@ class CheckpointManifest(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     EPISODE_IDS_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
+    SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
+    RECORDS_FORMAT_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Checkpoint id."""
     kind: Global___ParticipantKind.ValueType
@@ -461,6 +489,10 @@ class CheckpointManifest(_message.Message):
     """Lowercase hex sha256 of the records file."""
     size_bytes: _builtins.int
     """Size of the records file in bytes."""
+    schema_version: _builtins.int
+    """Version of the manifest layout; currently 1."""
+    records_format: _builtins.str
+    """Framing of the records file: `gymrpc.v1.CheckpointRecord/delimited`."""
     @_builtins.property
     def episode_ids(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.EpisodeId]:
         """Episodes the records hold."""
@@ -481,10 +513,12 @@ class CheckpointManifest(_message.Message):
         size_bytes: _builtins.int = ...,
         episode_ids: _abc.Iterable[_common_pb2.EpisodeId] | None = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
+        schema_version: _builtins.int = ...,
+        records_format: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "create_time", b"create_time", "episode_ids", b"episode_ids", "kind", b"kind", "name", b"name", "record_count", b"record_count", "records_file", b"records_file", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "create_time", b"create_time", "episode_ids", b"episode_ids", "kind", b"kind", "name", b"name", "record_count", b"record_count", "records_file", b"records_file", "records_format", b"records_format", "schema_version", b"schema_version", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,6 +4,7 @@ python -m servers.model --backend scripted --policy counter
 python -m servers.model --backend scripted --script replies.jsonl --recorded example_rollouts.jsonl
 python -m servers.model --policy counter --recorded env:blackjack   # an env's bundled recordings
 python -m servers.model --backend openai --upstream-url http://127.0.0.1:8011
+python -m servers.model --backend vllm --model-path DIR [--dtype bfloat16] [--tensor-parallel-size 2]
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from gymrpc.v1 import model_service_pb2 as pb
 from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
 from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
 from servers.model.backends.base import ModelBackend
+from servers.model.backends.vllm import add_vllm_arguments, model_tokenizer_file
+from servers.model.participant import ModelParticipant
 from servers.model.requests import Limits
 from servers.model.service import ModelServicer
+from servers.participant import add_participant_arguments, start_plane, wants_participant
 
 POLICIES = ("counter",)
 ENV_DATA = re.compile(r"env:([a-z][a-z0-9_]*)")
@@ -47,6 +51,10 @@ def recorded_path(value: str) -> Path:
 
 
 def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBackend:
+    if args.backend == "vllm":
+        from servers.model.backends.vllm import backend_from_arguments
+
+        return backend_from_arguments(args, tokenizer)  # blocks until the engine can generate
     if args.backend == "openai":
         from servers.model.backends.openai import OpenAIBackend
 
@@ -82,14 +90,18 @@ def main() -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_common_arguments(parser, default_name="model/policy")
-    parser.add_argument("--backend", choices=("scripted", "openai"), default="scripted")
+    parser.add_argument("--backend", choices=("scripted", "openai", "vllm"), default="scripted")
     parser.add_argument("--weight-version", help="reported with every reply (default scripted:0 / upstream:0)")
-    parser.add_argument("--tokenizer", help="a tokenizer.json (default: gymrpc's shipped tiny tokenizer)")
+    parser.add_argument(
+        "--tokenizer",
+        help="a tokenizer.json (default: the vllm model's own, else gymrpc's shipped tiny tokenizer)",
+    )
     parser.add_argument("--system-prompt", help="system text when the conversation has none")
     parser.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens)
     parser.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens)
     parser.add_argument("--max-prompt-tokens", type=int, default=Limits.max_prompt_tokens)
     parser.add_argument("--cache-size", type=int, default=1024, help="replies kept for retries (LRU)")
+    add_participant_arguments(parser)
     scripted = parser.add_argument_group("scripted backend (sources are tried in the order below)")
     scripted.add_argument("--script", action="append", default=[], help="JSONL of replies (repeatable)")
     scripted.add_argument(
@@ -112,13 +124,17 @@ def main() -> None:
         action="store_true",
         help="abort through vLLM's /abort_requests (VLLM_SERVER_DEV_MODE=1), keeping partials",
     )
+    add_vllm_arguments(parser)
     args = parser.parse_args()
     if args.backend == "openai" and not args.upstream_url:
         parser.error("--backend openai needs --upstream-url")
     if args.backend == "scripted" and not (args.script or args.recorded or args.policy or args.fallback):
         parser.error("--backend scripted needs --script, --recorded, --policy or --fallback")
+    if args.backend == "vllm" and not args.model_path:
+        parser.error("--backend vllm needs --model-path")
     config = config_from_arguments(args)
-    tokenizer = ChatTokenizer.from_file(args.tokenizer) if args.tokenizer else default_tokenizer()
+    tokenizer_file = args.tokenizer or (model_tokenizer_file(args.model_path) if args.backend == "vllm" else None)
+    tokenizer = ChatTokenizer.from_file(tokenizer_file) if tokenizer_file else default_tokenizer()
     limits = Limits(args.default_max_tokens, args.max_tokens_limit, args.max_prompt_tokens)
 
     async def main_async() -> None:
@@ -134,7 +150,17 @@ def main() -> None:
             servicer,
             pb_grpc.add_ModelServiceServicer_to_server,
         )
-        await serve(config, [binding], on_stop=servicer.close)
+        bindings, plane = [binding], None
+        if wants_participant(args, config):
+            plane, control = start_plane(ModelParticipant(servicer), config.name, args)
+            bindings.append(control)
+
+        async def stop() -> None:
+            if plane is not None:
+                await plane.close()
+            await servicer.close()
+
+        await serve(config, bindings, on_stop=stop)
 
     run(f"model:{args.backend}", main_async, args.log_level)
 

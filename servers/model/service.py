@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -52,6 +53,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         kwargs = {} if system_prompt is None else {"default_system": system_prompt}
         self.template = ChatTemplate(tokenizer, memory=self.memory, **kwargs)
         self.flights = FlightTable(cache_size)
+        self.gate: Any = None
+        """Checkpoint hooks `admit`, `generate`, `deliver` (`servers.model.participant`), or None."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         flight = self._admit(request, streaming=False)
@@ -68,7 +71,13 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     def _admit(self, request: pb.GenerateRequest, *, streaming: bool) -> Flight:
         checked = check_request(request, self.limits, self.tokenizer.stop_token_ids)
         fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
-        flight, new = self.flights.admit(checked.request_id, fingerprint, lambda f: self._run(f, checked, streaming))
+        run = self._run
+        body = (
+            (lambda f: run(f, checked, streaming))
+            if self.gate is None
+            else self.gate.admit(request, checked, streaming, run)
+        )
+        flight, new = self.flights.admit(checked.request_id, fingerprint, body)
         if not new:
             log.info("retry of a known request", extra={"request_id": checked.request_id})
         return flight
@@ -100,7 +109,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                     text = decoder.push([t for t in delta.token_ids if t not in self.tokenizer.stop_token_ids])
                     flight.publish(pb.TokenDelta(text=text, token_ids=delta.token_ids, logprobs=delta.logprobs or ()))
         else:
-            completion = await self.backend.generate(*args, conversation=conversation)
+            generate = self.backend.generate if self.gate is None else self.gate.generate
+            completion = await generate(*args, conversation=conversation)
             token_ids, finish, version = (
                 list(completion.token_ids),
                 completion.finish,
@@ -113,19 +123,20 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         reply = self._parse(token_ids, checked)
         self.memory.remember(prompt, reply.to_message(), token_ids)
         has_calls = bool(reply.tool_calls) and finish is Finish.STOP
-        flight.finish(
-            pb.GenerateResponse(
-                message=message_from_dict(reply.to_message()),
-                tokens=common_pb2.TokenTrace(
-                    prompt_token_ids=prompt,
-                    completion_token_ids=token_ids,
-                    completion_logprobs=logprobs or (),
-                ),
-                finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS if has_calls else _FINISH[finish],
-                weight_version=version or getattr(self.backend, "weight_version", ""),
-                usage=common_pb2.Usage(input_tokens=len(prompt), output_tokens=len(token_ids)),
-            )
+        response = pb.GenerateResponse(
+            message=message_from_dict(reply.to_message()),
+            tokens=common_pb2.TokenTrace(
+                prompt_token_ids=prompt,
+                completion_token_ids=token_ids,
+                completion_logprobs=logprobs or (),
+            ),
+            finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS if has_calls else _FINISH[finish],
+            weight_version=version or getattr(self.backend, "weight_version", ""),
+            usage=common_pb2.Usage(input_tokens=len(prompt), output_tokens=len(token_ids)),
         )
+        if self.gate is not None:
+            await self.gate.deliver(checked, response)  # held while a checkpoint is open
+        flight.finish(response)
 
     def _parse(self, token_ids: Sequence[int], checked: Checked) -> ParsedReply:
         text = self.tokenizer.decode(self.tokenizer.strip_stop(token_ids))

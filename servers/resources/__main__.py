@@ -7,6 +7,8 @@ import argparse
 from gymrpc.v1 import resources_service_pb2 as pb
 from gymrpc.v1 import resources_service_pb2_grpc as pb_grpc
 from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+from servers.participant import add_participant_arguments, start_plane, wants_participant
+from servers.resources.participant import VERIFY_MODES, ResourcesParticipant, gate_servicer
 from servers.resources.plugins import load_environment
 from servers.resources.service import ResourcesServicer
 
@@ -16,6 +18,12 @@ def main() -> None:
     add_common_arguments(parser, default_name="resources/counter")
     parser.add_argument("--environment", default="counter", help="counter, blackjack, or module:Class")
     parser.add_argument("--workers", type=int, default=8, help="threads running environment code")
+    add_participant_arguments(parser)
+    parser.add_argument(
+        "--checkpoint-verify",
+        choices=sorted(VERIFY_MODES),
+        help="Verify during a checkpoint: wait, or replay after a crash (default: the environment's, else wait)",
+    )
     args = parser.parse_args()
     config = config_from_arguments(args)
     environment = load_environment(args.environment)()
@@ -27,11 +35,20 @@ def main() -> None:
             servicer,
             pb_grpc.add_ResourcesServiceServicer_to_server,
         )
+        bindings, plane = [binding], None
+        if wants_participant(args, config):
+            verify = args.checkpoint_verify or getattr(environment, "checkpoint_verify", "wait")
+            participant = ResourcesParticipant(servicer, verify=verify)
+            gate_servicer(servicer, participant)
+            plane, control = start_plane(participant, config.name, args)
+            bindings.append(control)
 
         async def stop() -> None:
+            if plane is not None:
+                await plane.close()
             servicer.host.shutdown()
 
-        await serve(config, [binding], on_stop=stop)
+        await serve(config, bindings, on_stop=stop)
 
     run(f"resources:{args.environment}", main_async, args.log_level)
 

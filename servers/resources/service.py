@@ -38,13 +38,15 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
         self.host = SessionHost(environment, workers=workers)
         self._tools = [tool_definition(t) for t in environment.tools()]
         self._tool_names = {t.name for t in self._tools}
+        self.checkpoint_verify = pb.CHECKPOINT_VERIFY_WAIT
+        """Reported by ListTools; the checkpoint participant sets it (`servers.resources.participant`)."""
 
     async def ListTools(self, request: pb.ListToolsRequest, context: grpc.aio.ServicerContext) -> pb.ListToolsResponse:
         return pb.ListToolsResponse(
             environment=self.environment.name,
             tools=self._tools,
             checkpoint_mode=_MODES[self.environment.checkpoint_mode],
-            checkpoint_verify=pb.CHECKPOINT_VERIFY_WAIT,
+            checkpoint_verify=self.checkpoint_verify,
             interaction_style=_STYLES[self.environment.interaction_style],
         )
 

@@ -244,3 +244,23 @@ class SessionHost:
 
     async def discard(self, session_id: str, episode: EpisodeKey) -> bool:
         return await self.close(session_id, episode)
+
+    # -- coordinated checkpoints (servers.resources.participant) ---------------------------
+
+    def live(self) -> dict[str, Slot]:
+        """Live sessions by id: a copy, safe to iterate while calls run."""
+        return dict(self._slots)
+
+    @property
+    def served(self) -> bool:
+        """True once any session was seeded or restored here (the process is no longer fresh)."""
+        return bool(self._slots or self._closed)
+
+    def install(self, slots: Mapping[str, Slot]) -> None:
+        """Add sessions decoded beforehand, all at once (nothing is added if any id is live)."""
+        clash = sorted(set(slots) & set(self._slots))
+        if clash:
+            raise AlreadyExists(f"sessions {clash[:5]} are already live; nothing was installed")
+        self._slots.update(slots)
+        for session_id in slots:
+            self._closed.pop(session_id, None)

@@ -11,6 +11,7 @@ choose replies from the structured chat (the scripted one); others ignore it.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -124,6 +125,29 @@ class ModelBackend(abc.ABC):
                 finish = delta.finish
         logprobs = tuple(acc.logprobs) if acc.logprobs is not None else None
         return Completion(tuple(acc.token_ids), logprobs, finish, version)
+
+    async def continue_stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        prefix_token_ids: Sequence[int],
+        sampling: Sampling,
+        request_id: str,
+        *,
+        conversation: Conversation | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Continue a generation cut after `prefix_token_ids`; yields only the new tokens.
+
+        By default the prefix is appended to the prompt and the token budget shrinks by its
+        length, which is exact for any backend that takes token prompts (vLLM, `/v1/completions`).
+        """
+        left = sampling.max_tokens - len(prefix_token_ids)
+        if left <= 0:
+            yield CompletionDelta((), (), Finish.LENGTH, getattr(self, "weight_version", ""))
+            return
+        budget = dataclasses.replace(sampling, max_tokens=left)
+        prompt = [*prompt_token_ids, *prefix_token_ids]
+        async for delta in self.stream(prompt, budget, request_id, conversation=conversation):
+            yield delta
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> bool:

@@ -76,6 +76,29 @@ class ScriptedBackend(ModelBackend):
         if conversation is None:
             raise FailedPrecondition("the scripted backend needs the conversation, not only token ids")
         ids, finish = self.completion_ids(self.reply_text(conversation), sampling)
+        async for delta in self._emit(ids, finish, request_id):
+            yield delta
+
+    async def continue_stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        prefix_token_ids: Sequence[int],
+        sampling: Sampling,
+        request_id: str,
+        *,
+        conversation: Conversation | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        """The scripted reply after the prefix; the prefix must be the reply's start."""
+        if conversation is None:
+            raise FailedPrecondition("the scripted backend needs the conversation, not only token ids")
+        ids, finish = self.completion_ids(self.reply_text(conversation), sampling)
+        prefix = list(prefix_token_ids)
+        if ids[: len(prefix)] != prefix:
+            raise FailedPrecondition("the prefix to continue is not the start of the scripted reply")
+        async for delta in self._emit(ids[len(prefix) :], finish, request_id):
+            yield delta
+
+    async def _emit(self, ids: list[int], finish: Finish, request_id: str) -> AsyncIterator[CompletionDelta]:
         aborted = self._aborts.setdefault(request_id, asyncio.Event())
         try:
             for k, token in enumerate(ids):

@@ -1,0 +1,117 @@
+"""`Participant`: the per-role hooks the control plane drives (agent, resources, model, environment).
+
+The plane owns phases, fencing, replay, the lease, deadlines and the files; a role only
+says what admission, readiness, export, restore and retire mean for its own state. The
+base gives every role the same data-plane gate (`admission`) and retired-attempt marks
+(`marks`); hooks change them only through the plane's calls.
+
+Contract of each hook, as the plane relies on it:
+- `close_admission` / `open_admission`: idempotent; after close, in-flight work heads for
+  its next boundary and new work waits (`admission.enter`).
+- `readiness`: cheap and synchronous; call `changed.notify()` whenever it may have changed.
+- `export(scope)`: called once per checkpoint, while prepared and ready; returns the records
+  of the episodes in `scope` (None: every parked episode). Must not change state.
+- `stage(records, scope)`: decode and validate every record (DATA_LOSS on damage) without
+  changing anything; `install(staged)` then swaps it in all at once and returns the new
+  attempts it installed. A failed stage or install leaves the process as it was.
+- `retire(episodes)`: runs after the attempts are marked; stops their work, waits for it,
+  frees their state; idempotent. `delete_restored(scope)` frees restored state the commit
+  scope left out, without marking it.
+
+What the hooks mean for an agent (kind AGENT; resources and model are implemented in
+`servers.*.participant`):
+- admission: new runs wait (`admission.enter`); each running episode loop checks
+  `admission.is_open` at every boundary and parks there (`admission.wait_open()`), adding
+  the time parked to `EpisodeState.parked_s` and to its deadline (parked time is free).
+- readiness: a blocker is an episode between boundaries. An episode waiting on `Generate`
+  counts as parked at the boundary before the call (the model holds or cuts the response);
+  a running tool call, or a verify in `wait` mode, blocks; a `replay` verify does not.
+- export: one record per parked episode in scope, its `EpisodeState` at that boundary in
+  `CheckpointRecord.other` (or a new typed field of the record).
+- stage/install: restored episodes wait as attempt N+1 until a re-dispatched `Run` of that
+  attempt claims one and continues from its boundary; `delete_restored` frees the unclaimed.
+- retire: cancel the episode tasks of fenced attempts, wait for them, free their state.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+from gymrpc.control.admission import Admission, Notifier
+from gymrpc.control.marks import RetiredAttempts
+from gymrpc.control.types import EpisodeKey, Kind, Report
+from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
+
+Scope = frozenset[EpisodeKey] | None
+"""Episodes a commit continues; None means every parked episode."""
+
+
+class Participant(abc.ABC):
+    kind: ClassVar[Kind]
+
+    def __init__(self) -> None:
+        self.changed = Notifier()
+        self.marks = RetiredAttempts()
+        self.admission = Admission(self.marks, self.changed)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    async def close_admission(self) -> None:
+        """Prepare (and restore) closed admission: park in-flight work at its next boundary."""
+        self.admission.close()
+
+    async def open_admission(self) -> None:
+        """Resume (or an abort) reopened it: release parked and held work."""
+        self.admission.open()
+
+    async def park_exported(self, scope: Scope) -> None:
+        """A `stop` commit: the process is about to go; refuse new work instead of queueing it."""
+        self.admission.stop()
+
+    # -- readiness ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def readiness(self) -> Report:
+        """What still blocks a commit, and which episodes can only restart."""
+
+    # -- commit ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
+        """Records of the parked episodes in `scope`, one or more per episode."""
+
+    async def delete_restored(self, scope: Scope) -> None:  # noqa: B027 - optional hook
+        """Free restored-but-unclaimed state of episodes outside `scope` (no mark)."""
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def not_fresh(self) -> str | None:
+        """Why this process cannot take a restore (it served work), or None when it can."""
+        if self.admission.admitted_total:
+            return f"it already admitted {self.admission.admitted_total} data-plane calls"
+        return None
+
+    @abc.abstractmethod
+    async def stage(self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey]) -> Any:
+        """Decode and validate every record of the restore scope; change nothing."""
+
+    @abc.abstractmethod
+    async def install(self, staged: Any) -> list[EpisodeKey]:
+        """Install what `stage` returned, all at once; return the attempts now live."""
+
+    # -- retire ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def retire(self, episodes: Sequence[EpisodeKey]) -> None:
+        """Stop and free every attempt up to each of `episodes` (already marked)."""
+
+    async def forget(self, rollout_ids: Iterable[str]) -> None:  # noqa: B027 - optional hook
+        """The marks of these rollouts were dropped; free any bookkeeping kept for them."""
+
+    # -- status ------------------------------------------------------------------------------
+
+    def details(self) -> dict[str, str]:
+        """Role-specific status facts (`GetStatusResponse.details`)."""
+        return {}

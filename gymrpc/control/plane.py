@@ -1,0 +1,402 @@
+"""`ControlPlane`: one participant's coordinated-checkpoint state machine (SPEC §7).
+
+Every server runs one, whatever its role; the role plugs in through `Participant`. The
+plane adds what must be the same everywhere:
+- phases and fencing (`fencing.Fence`), under one lock so control calls never interleave;
+- replay: a completed prepare, commit, restore, retire or forget, retried with the same
+  arguments, gets its first reply; the same id with other arguments is CHECKPOINT_CONFLICT;
+- one export and one write per checkpoint: a commit retried after a failed store step
+  stores the same records again; a write that outlives its deadline keeps running
+  (shielded), and a retry waits for it;
+- a lease, `max(lease, deadline + lease_grace)`, renewed by every control call; when it
+  runs out in any phase but idle the plane aborts by itself (as a resume would), so a
+  controller that vanished never leaves admission closed;
+- deadlines on every step: waits end at the deadline, I/O past it fails the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gymrpc.control import store
+from gymrpc.control.faults import crash_point
+from gymrpc.control.fencing import Fence, Op, ResumeOutcome
+from gymrpc.control.lease import Lease
+from gymrpc.control.participant import Participant, Scope
+from gymrpc.control.replay import Replies, conflict
+from gymrpc.control.types import EpisodeKey, Kind, Phase, Report
+from gymrpc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from gymrpc.ids import check_id, check_service_name
+from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
+from gymrpc.v1 import participant_service_pb2 as pb
+
+log = logging.getLogger(__name__)
+DEFAULT_LEASE_GRACE = 120.0
+
+
+@dataclass(frozen=True)
+class Status:
+    kind: Kind
+    name: str
+    phase: Phase
+    checkpoint_id: str
+    lease_expires_at: float | None
+    report: Report
+    retired: dict[str, int]
+    pid: int
+    started_at: float
+    details: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Write:
+    """The one export and write of a checkpoint; a retried commit reuses it."""
+
+    checkpoint_id: str
+    args: tuple[Any, ...]
+    records: list[rec_pb.CheckpointRecord]
+    stop: store.WriteStop = field(default_factory=store.WriteStop)
+    task: asyncio.Task[pb.CheckpointManifest] | None = None
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        participant: Participant,
+        *,
+        name: str,
+        lease_grace: float = DEFAULT_LEASE_GRACE,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.participant = participant
+        self.name = check_service_name(name)
+        self.clock = clock
+        self.fence = Fence()
+        self.lease = Lease(lease_grace, clock, self._lease_expired)
+        self.replies = Replies()
+        self.last_abort = ""
+        self.started_at = clock()
+        self._lock = asyncio.Lock()
+        self._write: _Write | None = None
+        self._retiring = 0
+
+    @property
+    def kind(self) -> Kind:
+        return self.participant.kind
+
+    def start(self) -> None:
+        """Start the lease watcher (needs the running loop)."""
+        self.lease.start()
+
+    async def close(self) -> None:
+        await self.lease.close()
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def readiness(self) -> Report:
+        report = self.participant.readiness()
+        return replace(report, busy=report.busy + self._retiring) if self._retiring else report
+
+    def status(self) -> Status:
+        details = {**self.participant.details()}
+        if self.last_abort:
+            details["last_abort"] = self.last_abort
+        return Status(
+            kind=self.kind,
+            name=self.name,
+            phase=self.fence.phase,
+            checkpoint_id=self.fence.active or "",
+            lease_expires_at=self.lease.expires_at,
+            report=self.readiness(),
+            retired=dict(self.participant.marks.snapshot()),
+            pid=os.getpid(),
+            started_at=self.started_at,
+            details=details,
+        )
+
+    # -- prepare / renew ---------------------------------------------------------------------
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> tuple[Phase, Report]:
+        """Close admission and wait (until `deadline`) for in-flight work to park."""
+        check_id(checkpoint_id, "checkpoint_id")
+        self._check_deadline(deadline)
+        async with self._lock:
+            if (cached := self.replies.get(Op.PREPARE, checkpoint_id, ())) is not None:
+                return cached
+            self.fence.check(Op.PREPARE, checkpoint_id)
+            self.lease.renew(deadline)
+            if self.fence.phase is Phase.IDLE:
+                self.fence.open(checkpoint_id, Phase.PREPARING)
+                try:
+                    await self.participant.close_admission()
+                except BaseException:
+                    await self._abandon(checkpoint_id)
+                    raise
+        try:
+            report = await self._wait_ready(checkpoint_id, deadline)
+        except Exception:
+            async with self._lock:
+                if self.fence.active == checkpoint_id:
+                    await self._abandon(checkpoint_id)
+            raise
+        async with self._lock:
+            if (cached := self.replies.get(Op.PREPARE, checkpoint_id, ())) is not None:
+                return cached  # a concurrent retry got there first
+            self.fence.check(Op.PREPARE, checkpoint_id)  # resumed while we waited: STALE_CHECKPOINT
+            if not report.ready:
+                log.info("prepare missed its deadline", extra={"checkpoint_id": checkpoint_id})
+                return Phase.PREPARING, report
+            self.fence.advance(checkpoint_id, Phase.PREPARED)
+            reply = (Phase.PREPARED, report)
+            self.replies.put(Op.PREPARE, checkpoint_id, (), reply)
+            return reply
+
+    async def _wait_ready(self, checkpoint_id: str, deadline: float) -> Report:
+        while True:
+            report = self.readiness()
+            left = deadline - self.clock()
+            if report.ready or left <= 0 or self.fence.active != checkpoint_id:
+                return report
+            await self.participant.changed.wait(min(left, 1.0))
+
+    async def renew(self, checkpoint_id: str, deadline: float) -> float:
+        check_id(checkpoint_id, "checkpoint_id")
+        self._check_deadline(deadline)
+        async with self._lock:
+            self.fence.check(Op.RENEW, checkpoint_id)
+            return self.lease.renew(deadline)
+
+    # -- commit ------------------------------------------------------------------------------
+
+    async def commit(
+        self, checkpoint_id: str, deadline: float, checkpoint_dir: str, scope: Scope, stop: bool = False
+    ) -> pb.CheckpointManifest:
+        """Export once, write the records file, then the manifest; all before `deadline`."""
+        check_id(checkpoint_id, "checkpoint_id")
+        root = store.check_checkpoint_dir(checkpoint_dir)
+        self._check_deadline(deadline)
+        args = (str(root), scope, stop)
+        async with self._lock:
+            if (cached := self.replies.get(Op.COMMIT, checkpoint_id, args)) is not None:
+                return cached
+            self.fence.check(Op.COMMIT, checkpoint_id)
+            self.lease.renew(deadline)
+            write = self._write
+            if write is None or write.checkpoint_id != checkpoint_id:
+                write = _Write(checkpoint_id, args, await self._export(scope))
+                self._write = write
+            elif write.args != args:
+                raise conflict(checkpoint_id, "was already committed to another directory or scope")
+            if write.task is None or _failed(write.task):
+                write.task = asyncio.get_running_loop().create_task(self._store(root, write))
+        try:
+            async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
+                manifest = await asyncio.shield(write.task)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the write of checkpoint {checkpoint_id!r} did not finish by the deadline; it continues, "
+                "and a retried commit waits for it",
+                metadata={"checkpoint_id": checkpoint_id},
+            ) from None
+        async with self._lock:
+            if (cached := self.replies.get(Op.COMMIT, checkpoint_id, args)) is not None:
+                return cached
+            self.fence.check(Op.COMMIT, checkpoint_id)  # resumed while it wrote: STALE_CHECKPOINT
+            await self.participant.delete_restored(scope)
+            if stop:
+                await self.participant.park_exported(scope)
+            self.fence.advance(checkpoint_id, Phase.COMMITTED)
+            self.replies.put(Op.COMMIT, checkpoint_id, args, manifest)
+            log.info(
+                "committed",
+                extra={"checkpoint_id": checkpoint_id, "records": manifest.record_count, "bytes": manifest.size_bytes},
+            )
+            return manifest
+
+    async def _export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
+        report = self.readiness()
+        if not report.ready:
+            raise FailedPrecondition(
+                f"readiness regressed before the commit ({len(report.blockers) + report.busy} blockers); "
+                "resume and prepare again",
+                reason="INVALID_PHASE",
+            )
+        if scope is not None and (named := sorted(scope & set(report.restarts))):
+            raise FailedPrecondition(
+                f"the commit scope names episodes that can only restart: {', '.join(map(str, named[:10]))}",
+                reason="RESTART_IN_SCOPE",
+                metadata={"episodes": ",".join(map(str, named[:10]))},
+            )
+        return await self.participant.export(scope)
+
+    async def _store(self, root: Path, write: _Write) -> pb.CheckpointManifest:
+        try:
+            return await asyncio.to_thread(
+                store.write_checkpoint, root, self.kind, self.name, write.checkpoint_id, write.records, write.stop
+            )
+        except store.WriteStopped:
+            raise FailedPrecondition(
+                f"checkpoint {write.checkpoint_id!r} was resumed while it was written; no manifest was published",
+                reason="STALE_CHECKPOINT",
+            ) from None
+        except OSError as exc:
+            raise Unavailable(
+                f"writing checkpoint {write.checkpoint_id!r} failed: {exc}; retry the commit",
+                reason="BACKEND_FAILURE",
+            ) from None
+
+    # -- resume ------------------------------------------------------------------------------
+
+    async def resume(self, checkpoint_id: str) -> bool:
+        """Reopen admission, aborting the checkpoint if it was not committed; True if already resumed."""
+        check_id(checkpoint_id, "checkpoint_id")
+        async with self._lock:
+            outcome = self.fence.resume_outcome(checkpoint_id)
+            if outcome is ResumeOutcome.ALREADY:
+                return True
+            if outcome is ResumeOutcome.RECORD_ONLY:
+                self.fence.close(checkpoint_id)  # a late prepare of this id must not close admission
+                return False
+            await self._reopen(checkpoint_id)
+            return False
+
+    async def _reopen(self, checkpoint_id: str) -> None:
+        write, self._write = self._write, None
+        if write is not None:
+            await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it
+        await self.participant.open_admission()
+        self.fence.close(checkpoint_id)
+        self.replies.drop(checkpoint_id)
+        self.lease.clear()
+        self.participant.changed.notify()
+
+    async def _abandon(self, checkpoint_id: str) -> None:
+        """Undo a prepare or restore that failed before taking effect (the id stays usable)."""
+        await self.participant.open_admission()
+        self.fence.abandon(checkpoint_id)
+        self.lease.clear()
+
+    # -- restore -----------------------------------------------------------------------------
+
+    async def restore(
+        self, checkpoint_id: str, deadline: float, checkpoint_dir: str, episodes: Sequence[EpisodeKey]
+    ) -> tuple[str, list[EpisodeKey]]:
+        """Install a committed checkpoint into this fresh process, all or nothing."""
+        check_id(checkpoint_id, "checkpoint_id")
+        root = store.check_checkpoint_dir(checkpoint_dir)
+        self._check_deadline(deadline)
+        scope = frozenset(episodes)
+        args = (str(root), scope)
+        async with self._lock:
+            if (cached := self.replies.get(Op.RESTORE, checkpoint_id, args)) is not None:
+                return cached
+            self.fence.check(Op.RESTORE, checkpoint_id)
+            if (why := self.participant.not_fresh()) is not None:
+                raise FailedPrecondition(
+                    f"{self.name} cannot restore: {why}; restore only into freshly started processes",
+                    metadata={"name": self.name},
+                )
+            try:
+                async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
+                    manifest, records = await asyncio.to_thread(store.read_checkpoint, root, self.kind, self.name)
+                    selected = [r for r in records if EpisodeKey.of(r.episode_id) in scope]
+                    staged = await self.participant.stage(selected, scope)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"restore of {root} did not finish by the deadline; nothing was installed"
+                ) from None
+            crash_point("restore_before_install")
+            await self.participant.close_admission()
+            try:
+                restored = await asyncio.shield(asyncio.ensure_future(self.participant.install(staged)))
+            except BaseException:
+                await self.participant.open_admission()
+                raise
+            self.participant.marks.mark(scope)  # attempt N is superseded by N+1 on this server
+            self.fence.open(checkpoint_id, Phase.RESTORED)
+            self.lease.renew(deadline)
+            reply = (manifest.checkpoint_id, restored)
+            self.replies.put(Op.RESTORE, checkpoint_id, args, reply)
+            log.info("restored", extra={"checkpoint_id": checkpoint_id, "episodes": len(restored)})
+            return reply
+
+    # -- retire / forget ---------------------------------------------------------------------
+
+    async def retire(self, operation_id: str, deadline: float, episodes: Sequence[EpisodeKey]) -> list[EpisodeKey]:
+        """Mark the attempts (the mark outlives a failure), stop their work, free their state."""
+        check_id(operation_id, "checkpoint_id")
+        self._check_deadline(deadline)
+        if not episodes:
+            raise InvalidArgument(
+                "episode_ids is empty; name the attempts to retire", metadata={"field": "episode_ids"}
+            )
+        args = (frozenset(episodes),)
+        async with self._lock:
+            if (cached := self.replies.get(Op.RETIRE, operation_id, args)) is not None:
+                return cached
+            self.fence.check(Op.RETIRE, operation_id)
+            self.participant.marks.mark(episodes)
+            self._retiring += 1
+        try:
+            async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
+                await self.participant.retire(list(episodes))
+        except TimeoutError:
+            raise DeadlineExceeded("retire did not finish by the deadline; the attempts stay marked") from None
+        finally:
+            self._retiring -= 1
+            self.participant.changed.notify()
+        reply = list(episodes)
+        async with self._lock:
+            self.replies.put(Op.RETIRE, operation_id, args, reply)
+        return reply
+
+    async def forget(self, operation_id: str, rollout_ids: Sequence[str]) -> list[str]:
+        check_id(operation_id, "checkpoint_id")
+        ids = sorted({check_id(r, "rollout_ids") for r in rollout_ids})
+        if not ids:
+            raise InvalidArgument("rollout_ids is empty", metadata={"field": "rollout_ids"})
+        args = (tuple(ids),)
+        async with self._lock:
+            if (cached := self.replies.get(Op.FORGET, operation_id, args)) is not None:
+                return cached
+            self.fence.check(Op.FORGET, operation_id)
+            self.participant.marks.forget(ids)
+            await self.participant.forget(ids)
+            self.replies.put(Op.FORGET, operation_id, args, ids)
+            return ids
+
+    # -- lease -----------------------------------------------------------------------------
+
+    async def _lease_expired(self) -> None:
+        """The controller went silent: abort (or end) the open checkpoint, as its resume would."""
+        async with self._lock:
+            active = self.fence.active
+            if active is None or not self.lease.expired:
+                return
+            phase = self.fence.phase.name.lower()
+            self.last_abort = f"lease of {active!r} expired in phase {phase}"
+            log.warning("lease_expired: aborting", extra={"checkpoint_id": active, "phase": phase})
+            try:
+                await self._reopen(active)
+            except Exception:
+                log.exception("auto-abort failed", extra={"checkpoint_id": active})
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _check_deadline(self, deadline: float) -> None:
+        if not math.isfinite(deadline):
+            raise InvalidArgument("deadline must be set to a finite time", metadata={"field": "deadline"})
+        if deadline <= self.clock():
+            raise DeadlineExceeded("the deadline has already passed; nothing was done")
+
+
+def _failed(task: asyncio.Task[Any]) -> bool:
+    return task.done() and (task.cancelled() or task.exception() is not None)

@@ -1,0 +1,314 @@
+"""One participant's part of a checkpoint on disk: one records file, then the manifest, last.
+
+    <checkpoint_dir>/<kind>/<instance>/records-<sha256>.bin   delimited CheckpointRecord messages
+    <checkpoint_dir>/<kind>/<instance>/manifest.json          CheckpointManifest, create-only
+
+One records file per participant keeps filesystem metadata work constant however many
+episodes are in flight. The manifest is the commit point: it is created with `os.link`
+of an fsynced temporary file, which never replaces an existing name, so of two racing
+writers exactly one publishes and a crash before it leaves no checkpoint at all (the
+previous checkpoints, in other directories, are never touched). An existing manifest
+equal to ours (ignoring its time) is a replay; any other is CHECKPOINT_CONFLICT.
+Reading verifies size, sha256 and count over the whole file and decodes every record
+before returning any, so a restore installs all or nothing.
+
+Everything here blocks; callers run it in a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+
+from gymrpc.control.faults import crash_point
+from gymrpc.control.types import Kind
+from gymrpc.errors import Aborted, DataLoss, InvalidArgument, NotFound
+from gymrpc.ids import check_id, check_service_name
+from gymrpc.pbtime import timestamp
+from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
+from gymrpc.v1 import participant_service_pb2 as pb
+
+SCHEMA_VERSION = 1
+RECORDS_FORMAT = "gymrpc.v1.CheckpointRecord/delimited"
+MANIFEST = "manifest.json"
+RECORDS_FILE = re.compile(r"records-([0-9a-f]{64})\.bin")
+MAX_DIR_LEN = 4096
+MAX_RECORD_BYTES = 1 << 30
+
+
+class WriteStopped(Exception):
+    """The checkpoint was resumed (aborted) while its records were being written."""
+
+
+class WriteStop:
+    """Lets a resume stop a write, and guarantees no manifest appears once `stop` returned."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def check(self) -> None:
+        if self._stopped:
+            raise WriteStopped
+
+    @contextlib.contextmanager
+    def publishing(self) -> Iterator[None]:
+        with self._lock:
+            self.check()
+            yield
+
+    def stop(self) -> None:
+        """Blocks while a manifest is being published (milliseconds)."""
+        with self._lock:
+            self._stopped = True
+
+
+def check_checkpoint_dir(value: str) -> Path:
+    """A checkpoint root from a request: absolute, normalised, printable, bounded."""
+    path = Path(value)
+    if (
+        not value
+        or len(value) > MAX_DIR_LEN
+        or not value.isprintable()
+        or not path.is_absolute()
+        or os.path.normpath(value) != value.rstrip("/")
+    ):
+        raise InvalidArgument(
+            f"checkpoint_dir {value[:200]!r} must be an absolute, normalised path (no '..', no '//')",
+            metadata={"field": "checkpoint_dir"},
+        )
+    return path
+
+
+def participant_dir(root: Path, kind: Kind, name: str) -> Path:
+    """`<root>/<kind>/<instance>`; `name` is a validated `role/instance`."""
+    check_service_name(name)
+    return root / kind.folder / name.partition("/")[2]
+
+
+def write_checkpoint(
+    root: Path,
+    kind: Kind,
+    name: str,
+    checkpoint_id: str,
+    records: Sequence[rec_pb.CheckpointRecord],
+    stop: WriteStop,
+) -> pb.CheckpointManifest:
+    """Write the records file, then create the manifest; returns the published manifest."""
+    folder = participant_dir(root, kind, name)
+    _make_dirs(folder)
+    existing = _load_manifest(folder / MANIFEST)
+    if existing is not None and existing.checkpoint_id != checkpoint_id:
+        raise _conflict(folder, existing, checkpoint_id)
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=".records-", suffix=".tmp")
+    try:
+        digest, size = hashlib.sha256(), 0
+        with os.fdopen(fd, "wb") as out:
+            for record in records:
+                stop.check()
+                data = record.SerializeToString(deterministic=True)
+                chunk = _varint(len(data)) + data
+                out.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        manifest = pb.CheckpointManifest(
+            checkpoint_id=checkpoint_id,
+            kind=int(kind),  # type: ignore[arg-type]
+            name=name,
+            records_file=f"records-{digest.hexdigest()}.bin",
+            record_count=len(records),
+            sha256=digest.hexdigest(),
+            size_bytes=size,
+            episode_ids=[r.episode_id for r in records],
+            create_time=timestamp(time.time()),
+            schema_version=SCHEMA_VERSION,
+            records_format=RECORDS_FORMAT,
+        )
+        with stop.publishing():
+            os.replace(temp, folder / manifest.records_file)
+            _fsync_dir(folder)  # the records file's name is durable before a manifest names it
+            crash_point("commit_before_manifest")
+            published = _create_manifest(folder, manifest)
+        crash_point("commit_after_manifest")
+        return published
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+
+
+def read_checkpoint(root: Path, kind: Kind, name: str) -> tuple[pb.CheckpointManifest, list[rec_pb.CheckpointRecord]]:
+    """Read and verify a participant's manifest and every record; DATA_LOSS on any damage."""
+    folder = participant_dir(root, kind, name)
+    manifest = _load_manifest(folder / MANIFEST)
+    if manifest is None:
+        raise NotFound(
+            f"{folder} holds no manifest: {root} is not a committed checkpoint of {name}",
+            metadata={"checkpoint_dir": str(root)[:200], "name": name},
+        )
+    _check_manifest(manifest, folder, kind, name)
+    path = folder / manifest.records_file
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DataLoss(f"{path} is missing; the checkpoint is damaged", reason="CORRUPT_SNAPSHOT") from None
+    if len(data) != manifest.size_bytes or hashlib.sha256(data).hexdigest() != manifest.sha256:
+        raise DataLoss(f"{path} fails its size or sha256 check; nothing was restored")
+    records = list(_decode(data, path))
+    if len(records) != manifest.record_count:
+        raise DataLoss(f"{path} holds {len(records)} records, its manifest says {manifest.record_count}")
+    return manifest, records
+
+
+def manifests_equal(a: pb.CheckpointManifest, b: pb.CheckpointManifest) -> bool:
+    """Equal in everything but the time it was written."""
+    a, b = _without_time(a), _without_time(b)
+    return a == b
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _create_manifest(folder: Path, manifest: pb.CheckpointManifest) -> pb.CheckpointManifest:
+    text = json_format.MessageToJson(manifest, preserving_proto_field_name=True, sort_keys=True, indent=1)
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=".manifest-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        try:
+            os.link(temp, folder / MANIFEST)
+        except FileExistsError:
+            existing = _load_manifest(folder / MANIFEST)
+            if existing is None or not manifests_equal(existing, manifest):
+                raise _conflict(folder, existing, manifest.checkpoint_id) from None
+            return existing
+        _fsync_dir(folder)
+        return manifest
+    finally:
+        os.unlink(temp)
+
+
+def _load_manifest(path: Path) -> pb.CheckpointManifest | None:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataLoss(f"{path} cannot be read: {exc}") from None
+    manifest = pb.CheckpointManifest()
+    try:
+        json_format.Parse(text, manifest)
+    except json_format.ParseError as exc:
+        raise DataLoss(f"{path} is not a gymrpc checkpoint manifest: {exc}") from None
+    return manifest
+
+
+def _check_manifest(manifest: pb.CheckpointManifest, folder: Path, kind: Kind, name: str) -> None:
+    where = folder / MANIFEST
+    if manifest.schema_version != SCHEMA_VERSION or manifest.records_format != RECORDS_FORMAT:
+        raise DataLoss(
+            f"{where}: schema {manifest.schema_version} / format {manifest.records_format!r} is not one this "
+            f"server reads (schema {SCHEMA_VERSION}, {RECORDS_FORMAT})"
+        )
+    if manifest.kind != kind or manifest.name != name:
+        raise DataLoss(
+            f"{where} belongs to {pb.ParticipantKind.Name(manifest.kind)} {manifest.name!r}, not to "
+            f"{pb.ParticipantKind.Name(int(kind))} {name!r}"  # type: ignore[arg-type]
+        )
+    try:
+        check_id(manifest.checkpoint_id, "manifest.checkpoint_id")
+    except InvalidArgument as exc:
+        raise DataLoss(f"{where}: {exc.message}") from None
+    match = RECORDS_FILE.fullmatch(manifest.records_file)
+    if match is None or match.group(1) != manifest.sha256:
+        raise DataLoss(f"{where}: records_file {manifest.records_file!r} does not match its sha256")
+
+
+def _decode(data: bytes, path: Path) -> Iterator[rec_pb.CheckpointRecord]:
+    pos, end = 0, len(data)
+    while pos < end:
+        length, pos = _read_varint(data, pos, path)
+        if length > MAX_RECORD_BYTES or pos + length > end:
+            raise DataLoss(f"{path}: a record runs past the end of the file")
+        record = rec_pb.CheckpointRecord()
+        try:
+            record.ParseFromString(data[pos : pos + length])
+            check_id(record.episode_id.rollout_id, "record.episode_id.rollout_id")
+        except (DecodeError, InvalidArgument) as exc:
+            raise DataLoss(f"{path}: a record does not decode: {exc}") from None
+        pos += length
+        yield record
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits, value = value & 0x7F, value >> 7
+        if value:
+            out.append(bits | 0x80)
+        else:
+            out.append(bits)
+            return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int, path: Path) -> tuple[int, int]:
+    value, shift = 0, 0
+    while pos < len(data) and shift < 64:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise DataLoss(f"{path}: a record length is truncated")
+
+
+def _without_time(manifest: pb.CheckpointManifest) -> pb.CheckpointManifest:
+    copy = pb.CheckpointManifest()
+    copy.CopyFrom(manifest)
+    copy.ClearField("create_time")
+    return copy
+
+
+def _conflict(folder: Path, existing: pb.CheckpointManifest | None, checkpoint_id: str) -> Aborted:
+    other = existing.checkpoint_id if existing is not None else "?"
+    return Aborted(
+        f"{folder / MANIFEST} already holds a different commit (checkpoint {other!r}); "
+        f"checkpoint {checkpoint_id!r} was not written there",
+        reason="CHECKPOINT_CONFLICT",
+        metadata={"checkpoint_id": checkpoint_id, "existing": other},
+    )
+
+
+def _make_dirs(folder: Path) -> None:
+    """Create missing folders and fsync each new one's parent, so the path survives a crash."""
+    missing = []
+    path = folder
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

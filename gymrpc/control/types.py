@@ -1,0 +1,107 @@
+"""Value types of the control plane, and their one mapping to and from the wire.
+
+The control plane works on these plain types so that its logic is testable without
+protobuf; `servers.participant` and `gymrpc.controller` convert at the edge.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from gymrpc.ids import check_id
+from gymrpc.v1 import common_pb2
+from gymrpc.v1 import participant_service_pb2 as pb
+
+MAX_REPORTED_BLOCKERS = 100
+"""Blockers listed in a report; `blocker_count` is always the full count."""
+
+
+class EpisodeKey(NamedTuple):
+    """One episode attempt: hashable, ordered, cheap."""
+
+    rollout_id: str
+    attempt: int
+
+    @classmethod
+    def of(cls, episode_id: common_pb2.EpisodeId, field: str = "episode_id") -> EpisodeKey:
+        """Validate a wire `EpisodeId` (its rollout id may reach file names)."""
+        return cls(check_id(episode_id.rollout_id, f"{field}.rollout_id"), episode_id.attempt)
+
+    def next(self) -> EpisodeKey:
+        """The attempt a restore continues this one as."""
+        return EpisodeKey(self.rollout_id, self.attempt + 1)
+
+    def to_pb(self) -> common_pb2.EpisodeId:
+        return common_pb2.EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt)
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id}/a{self.attempt}"
+
+
+def episode_keys(episode_ids: Iterable[common_pb2.EpisodeId], field: str = "episode_ids") -> list[EpisodeKey]:
+    """Validate a repeated `EpisodeId` field; duplicates collapse, order is kept."""
+    out: dict[EpisodeKey, None] = {}
+    for index, episode_id in enumerate(episode_ids):
+        out[EpisodeKey.of(episode_id, f"{field}[{index}]")] = None
+    return list(out)
+
+
+class Phase(enum.IntEnum):
+    """Control-plane phase; values are `gymrpc.v1.ParticipantPhase`'s."""
+
+    IDLE = pb.PARTICIPANT_PHASE_IDLE
+    PREPARING = pb.PARTICIPANT_PHASE_PREPARING
+    PREPARED = pb.PARTICIPANT_PHASE_PREPARED
+    COMMITTED = pb.PARTICIPANT_PHASE_COMMITTED
+    RESTORED = pb.PARTICIPANT_PHASE_RESTORED
+
+
+class Kind(enum.IntEnum):
+    """Participant kind; values are `gymrpc.v1.ParticipantKind`'s. Fixes the place in every order."""
+
+    ENVIRONMENT = pb.PARTICIPANT_KIND_ENVIRONMENT
+    MODEL = pb.PARTICIPANT_KIND_MODEL
+    AGENT = pb.PARTICIPANT_KIND_AGENT
+    RESOURCES = pb.PARTICIPANT_KIND_RESOURCES
+
+    @property
+    def folder(self) -> str:
+        """Folder name under a checkpoint directory (`resources`, `model`, ...)."""
+        return self.name.lower()
+
+
+PREPARE_ORDER: tuple[Kind, ...] = (Kind.ENVIRONMENT, Kind.MODEL, Kind.AGENT, Kind.RESOURCES)
+"""Environments park first; the model then holds and cuts, so agents waiting on it reach a
+boundary; resources go last because agents and environments call them until they park."""
+RESUME_ORDER: tuple[Kind, ...] = tuple(reversed(PREPARE_ORDER))
+RETIRE_ORDER: tuple[tuple[Kind, ...], ...] = ((Kind.ENVIRONMENT,), (Kind.AGENT,), (Kind.MODEL, Kind.RESOURCES))
+"""Callers before callees, so no retired caller can re-create state in a callee already retired."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """Readiness of one participant for a commit."""
+
+    blockers: tuple[EpisodeKey, ...] = ()
+    """Episodes still running between boundaries (or unknown work, keyed by an empty rollout id)."""
+    restarts: tuple[EpisodeKey, ...] = ()
+    """Episodes this participant cannot capture; they restart after a crash."""
+    counts: Mapping[str, int] = field(default_factory=dict)
+    busy: int = 0
+    """Blocking work not tied to an episode (for example a retire still running)."""
+
+    @property
+    def ready(self) -> bool:
+        return not self.blockers and not self.busy
+
+    def to_pb(self) -> pb.PrepareReport:
+        return pb.PrepareReport(
+            ready=self.ready,
+            blockers=[k.to_pb() for k in self.blockers[:MAX_REPORTED_BLOCKERS]],
+            blocker_count=len(self.blockers) + self.busy,
+            restarts=[k.to_pb() for k in self.restarts],
+            counts={k: int(v) for k, v in self.counts.items()},
+        )

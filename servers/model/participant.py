@@ -1,0 +1,255 @@
+"""The model participant: held responses, generation cuts, and the capture ledger (SPEC §7).
+
+Prepare closes admission: new calls wait for resume; every unary generation still running
+is cut (`backend.abort`, keeping the prefix tokens) and parks; a generation that finishes
+while admission is closed has its response held. Neither blocks the prepare: the agent
+waiting on such a call is at its boundary before the call. Only streaming responses
+already being delivered block, until they end.
+
+Commit exports, per episode, the ledger rows of delivered calls plus the cut and held
+generations. On resume a cut generation continues from its prefix and every held
+response is delivered; after a crash and restore, the re-issued call (matched by rollout,
+prompt and sampling) continues from the prefix instead. Rows move to the next attempt,
+so the ledger holds every delivered token exactly once.
+
+`ModelServicer` calls the hooks `admit`, `generate` and `deliver` when `servicer.gate` is
+this participant (set by the constructor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
+from gymrpc.errors import DataLoss
+from gymrpc.messages import message_to_dict
+from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
+from gymrpc.v1 import model_service_pb2 as pb
+from servers.model.backends.base import Completion, Conversation, Finish, Sampling
+from servers.model.capture import FINISH_OF, CaptureLedger, Generation, RestoredCuts, request_digest
+from servers.model.flights import Flight
+from servers.model.requests import Checked
+from servers.model.service import ModelServicer
+
+Run = Callable[[Flight, Checked, bool], Coroutine[Any, Any, None]]
+Staged = dict[EpisodeKey, tuple[list[rec_pb.CaptureRow], list[rec_pb.GenerationCut]]]
+BLOCKING = ("generating", "streaming")
+
+
+class ModelParticipant(Participant):
+    kind = Kind.MODEL
+
+    def __init__(self, servicer: ModelServicer) -> None:
+        super().__init__()
+        self.servicer = servicer
+        self.backend = servicer.backend
+        self.ledger = CaptureLedger()
+        self.cuts = RestoredCuts()
+        self._generations: dict[str, Generation] = {}
+        self._pending: set[EpisodeKey] = set()
+        """Restored episodes no call has touched yet (freed if a commit scope leaves them out)."""
+        servicer.gate = self
+
+    # -- hooks called by ModelServicer -------------------------------------------------------
+
+    def admit(
+        self, request: pb.GenerateRequest, checked: Checked, streaming: bool, run: Run
+    ) -> Callable[[Flight], Coroutine[Any, Any, None]]:
+        """Refuse a retired attempt now; return the flight body, which waits while admission is closed."""
+        episode = EpisodeKey(checked.rollout_id, request.episode_id.attempt)
+        self.marks.check(episode)
+        self._pending.discard(episode)
+
+        async def body(flight: Flight) -> None:
+            generation = Generation(checked.request_id, episode, streaming)
+            self._generations[checked.request_id] = generation
+            try:
+                await self.admission.enter(episode, blocks=False)
+                generation.state = "streaming" if streaming else "generating"
+                await run(flight, checked, streaming)
+            finally:
+                if self._generations.get(checked.request_id) is generation:
+                    del self._generations[checked.request_id]
+                self.changed.notify()
+
+        return body
+
+    async def generate(
+        self, prompt: Sequence[int], sampling: Sampling, request_id: str, *, conversation: Conversation
+    ) -> Completion:
+        """A unary generation that a checkpoint can cut and that continues from a restored cut."""
+        gen = self._generations[request_id]
+        gen.digest = request_digest(gen.episode.rollout_id, prompt, sampling)
+        cut = self.cuts.take(gen.episode, gen.digest) if gen.episode.rollout_id else None
+        if cut is not None:
+            gen.token_ids = list(cut.prefix_token_ids)
+            gen.logprobs = list(cut.prefix_logprobs) if cut.prefix_logprobs or not cut.prefix_token_ids else None
+            gen.weight_version = cut.weight_version
+            if cut.complete:
+                gen.finish = FINISH_OF.get(cut.finish_reason, Finish.STOP)
+                return self._completion(gen)
+        while True:
+            if gen.token_ids:
+                stream = self.backend.continue_stream(
+                    prompt, gen.token_ids, sampling, request_id, conversation=conversation
+                )
+            else:
+                stream = self.backend.stream(prompt, sampling, request_id, conversation=conversation)
+            finish = None
+            async for delta in stream:
+                gen.token_ids.extend(delta.token_ids)
+                if delta.logprobs is None:
+                    gen.logprobs = None
+                elif gen.logprobs is not None:
+                    gen.logprobs.extend(delta.logprobs)
+                gen.weight_version = delta.weight_version or gen.weight_version
+                finish = delta.finish or finish
+            self.marks.check(gen.episode)  # retired while it generated
+            if finish is Finish.ABORT and gen.cut_requested:
+                gen.state = "cut"
+                self.changed.notify()
+                await self.admission.wait_open("the cut generation")
+                self.marks.check(gen.episode)
+                gen.cut_requested, gen.state = False, "generating"
+                continue
+            gen.finish = finish or Finish.ABORT
+            return self._completion(gen)
+
+    @staticmethod
+    def _completion(gen: Generation) -> Completion:
+        logprobs = None if gen.logprobs is None else tuple(gen.logprobs)
+        return Completion(tuple(gen.token_ids), logprobs, gen.finish or Finish.STOP, gen.weight_version)
+
+    async def deliver(self, checked: Checked, response: pb.GenerateResponse) -> None:
+        """Hold a unary response while admission is closed; record it in the ledger as it leaves."""
+        gen = self._generations.get(checked.request_id)
+        if gen is None:
+            return
+        if not gen.streaming and not self.admission.is_open:
+            gen.state = "held"
+            self.changed.notify()
+            await self.admission.wait_open("the held response")
+        self.marks.check(gen.episode)
+        if gen.episode.rollout_id:
+            self.ledger.record(
+                gen.episode,
+                rec_pb.CaptureRow(
+                    request_id=gen.request_id,
+                    source_attempt=gen.episode.attempt,
+                    tokens=response.tokens,
+                    finish_reason=response.finish_reason,
+                    weight_version=response.weight_version,
+                    message=response.message,
+                ),
+            )
+        gen.state = "delivered"
+
+    # -- admission ---------------------------------------------------------------------------
+
+    async def close_admission(self) -> None:
+        self.admission.close()
+        for gen in list(self._generations.values()):
+            if gen.state == "generating":
+                gen.cut_requested = True
+                await self.backend.abort(gen.request_id)
+
+    def readiness(self) -> Report:
+        gens = list(self._generations.values())
+        states = [g.state for g in gens]
+        return Report(
+            blockers=tuple(sorted({g.episode for g in gens if g.state in BLOCKING})),
+            counts={
+                "held": states.count("held"),
+                "cut": states.count("cut"),
+                "waiting": states.count("waiting"),
+                "ledger_rows": len(self.ledger),
+                "restored_cuts": len(self.cuts),
+            },
+        )
+
+    # -- commit ------------------------------------------------------------------------------
+
+    def _parked(self) -> dict[EpisodeKey, list[rec_pb.GenerationCut]]:
+        out: dict[EpisodeKey, list[rec_pb.GenerationCut]] = {}
+        for gen in self._generations.values():
+            if gen.state in ("cut", "held") and gen.episode.rollout_id:
+                out.setdefault(gen.episode, []).append(gen.to_cut())
+        return out
+
+    async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
+        parked = self._parked()
+        episodes = set(scope) if scope is not None else {*parked, *self.ledger.episodes(), *self.cuts.episodes()}
+        records = []
+        for episode in sorted(e for e in episodes if e.rollout_id):
+            body = rec_pb.ModelEpisodeRecord(
+                rows=self.ledger.rows(episode), cuts=[*parked.get(episode, ()), *self.cuts.of(episode)]
+            )
+            records.append(rec_pb.CheckpointRecord(episode_id=episode.to_pb(), model_episode=body))
+        return records
+
+    async def delete_restored(self, scope: Scope) -> None:
+        if scope is None:
+            return
+        dropped = [e for e in self._pending if e not in scope]
+        self.ledger.drop(dropped)
+        self.cuts.drop(dropped)
+        self._pending.difference_update(dropped)
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def not_fresh(self) -> str | None:
+        if len(self.ledger):
+            return f"its ledger already holds {len(self.ledger)} delivered calls"
+        return super().not_fresh()  # calls still waiting for admission do not count: they were never run
+
+    async def stage(self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey]) -> Staged:
+        staged: Staged = {}
+        for record in records:
+            episode = EpisodeKey.of(record.episode_id)
+            if record.WhichOneof("body") != "model_episode":
+                raise DataLoss(f"the record of {episode} is not a model episode; nothing was installed")
+            if episode.next() in staged:
+                raise DataLoss(f"{episode} appears twice in the checkpoint; nothing was installed")
+            body = record.model_episode
+            for row in body.rows:
+                trace = row.tokens
+                if trace.completion_logprobs and len(trace.completion_logprobs) != len(trace.completion_token_ids):
+                    raise DataLoss(f"a ledger row of {episode} has mismatched tokens and logprobs")
+            for cut in body.cuts:
+                if len(cut.request_digest) != 64 or (
+                    cut.prefix_logprobs and len(cut.prefix_logprobs) != len(cut.prefix_token_ids)
+                ):
+                    raise DataLoss(f"a generation cut of {episode} is malformed; nothing was installed")
+            staged[episode.next()] = (list(body.rows), list(body.cuts))
+        for episode in scope:
+            staged.setdefault(episode.next(), ([], []))
+        return staged
+
+    async def install(self, staged: Staged) -> list[EpisodeKey]:
+        memory = self.servicer.memory
+        self._pending.update(staged)
+        for episode, (rows, cuts) in staged.items():
+            self.ledger.install(episode, rows)
+            self.cuts.install(episode, cuts)
+            for row in rows:  # the next turn's prompt re-renders these replies exactly as generated
+                memory.remember(
+                    row.tokens.prompt_token_ids, message_to_dict(row.message), row.tokens.completion_token_ids
+                )
+        return sorted(staged)
+
+    # -- retire ------------------------------------------------------------------------------
+
+    async def retire(self, episodes: Sequence[EpisodeKey]) -> None:
+        doomed = [g for g in self._generations.values() if self.marks.is_retired(g.episode)]
+        for gen in doomed:
+            gen.cut_requested = False
+            await self.backend.abort(gen.request_id)
+        while any(g.request_id in self._generations and g.state in BLOCKING for g in doomed):
+            await self.changed.wait(1.0)
+        self.ledger.drop([e for e in self.ledger.episodes() if self.marks.is_retired(e)])
+        self.cuts.drop(episodes)
+        self._pending = {e for e in self._pending if not self.marks.is_retired(e)}
+
+    def details(self) -> dict[str, str]:
+        return {"backend": self.backend.name, "ledger_tokens": str(self.ledger.tokens())}

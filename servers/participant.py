@@ -1,0 +1,135 @@
+"""`gymrpc.v1.ParticipantService` over a `ControlPlane`: message mapping only.
+
+Every method is a control call (bearer token, checked by `servers.guard` before any of
+this runs). Each server role builds its `Participant`, wraps it in a `ControlPlane`, and
+adds `participant_binding(plane)` to the services it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import grpc
+
+from gymrpc.control import ControlPlane, Participant
+from gymrpc.control.plane import DEFAULT_LEASE_GRACE
+from gymrpc.control.types import episode_keys
+from gymrpc.errors import InvalidArgument
+from gymrpc.pbtime import seconds, timestamp
+from gymrpc.v1 import participant_service_pb2 as pb
+from gymrpc.v1 import participant_service_pb2_grpc as pb_grpc
+from servers.bootstrap import ServerConfig, ServiceBinding
+
+log = logging.getLogger(__name__)
+SERVICE = pb.DESCRIPTOR.services_by_name["ParticipantService"]
+
+
+def _deadline(
+    request: pb.PrepareRequest | pb.RenewRequest | pb.CommitRequest | pb.RestoreRequest | pb.RetireRequest,
+) -> float:
+    if not request.HasField("deadline"):
+        raise InvalidArgument("deadline is required (an absolute time)", metadata={"field": "deadline"})
+    return seconds(request.deadline)
+
+
+class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
+        status = self.plane.status()
+        reply = pb.GetStatusResponse(
+            kind=int(status.kind),  # type: ignore[arg-type]
+            name=status.name,
+            phase=int(status.phase),  # type: ignore[arg-type]
+            checkpoint_id=status.checkpoint_id,
+            report=status.report.to_pb(),
+            retired=status.retired,
+            pid=status.pid,
+            start_time=timestamp(status.started_at),
+            details=status.details,
+        )
+        if status.lease_expires_at is not None:
+            reply.lease_expire_time.CopyFrom(timestamp(status.lease_expires_at))
+        return reply
+
+    async def Prepare(self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext) -> pb.PrepareResponse:
+        phase, report = await self.plane.prepare(request.checkpoint_id, _deadline(request))
+        return pb.PrepareResponse(phase=int(phase), report=report.to_pb())  # type: ignore[arg-type]
+
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:
+        expires = await self.plane.renew(request.checkpoint_id, _deadline(request))
+        return pb.RenewResponse(lease_expire_time=timestamp(expires))
+
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
+        scope = frozenset(episode_keys(request.episode_ids)) or None
+        manifest = await self.plane.commit(
+            request.checkpoint_id, _deadline(request), request.checkpoint_dir, scope, request.stop
+        )
+        return pb.CommitResponse(phase=pb.PARTICIPANT_PHASE_COMMITTED, manifest=manifest)
+
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> pb.ResumeResponse:
+        already = await self.plane.resume(request.checkpoint_id)
+        return pb.ResumeResponse(phase=pb.PARTICIPANT_PHASE_IDLE, already_resumed=already)
+
+    async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
+        source, restored = await self.plane.restore(
+            request.checkpoint_id, _deadline(request), request.checkpoint_dir, episode_keys(request.episode_ids)
+        )
+        return pb.RestoreResponse(
+            phase=pb.PARTICIPANT_PHASE_RESTORED,
+            source_checkpoint_id=source,
+            restored=[k.to_pb() for k in restored],
+        )
+
+    async def Retire(self, request: pb.RetireRequest, context: grpc.aio.ServicerContext) -> pb.RetireResponse:
+        retired = await self.plane.retire(request.checkpoint_id, _deadline(request), episode_keys(request.episode_ids))
+        return pb.RetireResponse(retired=[k.to_pb() for k in retired])
+
+    async def Forget(self, request: pb.ForgetRequest, context: grpc.aio.ServicerContext) -> pb.ForgetResponse:
+        forgotten = await self.plane.forget(request.checkpoint_id, list(request.rollout_ids))
+        return pb.ForgetResponse(forgotten=forgotten)
+
+
+def participant_binding(plane: ControlPlane) -> ServiceBinding:
+    """The ParticipantService binding; every method needs the control token."""
+    return ServiceBinding(
+        SERVICE,
+        ParticipantServicer(plane),
+        pb_grpc.add_ParticipantServiceServicer_to_server,
+        control_methods=[m.name for m in SERVICE.methods],
+    )
+
+
+def add_participant_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags every participant server takes."""
+    group = parser.add_argument_group("coordinated checkpoints")
+    group.add_argument(
+        "--checkpoint-lease-grace",
+        type=float,
+        default=DEFAULT_LEASE_GRACE,
+        help="seconds past a control call's deadline before an open checkpoint aborts by itself (default %(default)s)",
+    )
+    group.add_argument(
+        "--no-participant",
+        action="store_true",
+        help="do not serve ParticipantService (no admission bookkeeping on the data plane)",
+    )
+
+
+def wants_participant(args: argparse.Namespace, config: ServerConfig) -> bool:
+    """Serve ParticipantService unless disabled; it needs the control token, so not without one."""
+    if args.no_participant:
+        return False
+    if not config.token:
+        log.warning("no control token: ParticipantService is not served", extra={"service": config.name})
+        return False
+    return True
+
+
+def start_plane(participant: Participant, name: str, args: argparse.Namespace) -> tuple[ControlPlane, ServiceBinding]:
+    """A started control plane for `participant` (from `add_participant_arguments` flags) and its binding."""
+    plane = ControlPlane(participant, name=name, lease_grace=args.checkpoint_lease_grace)
+    plane.start()
+    return plane, participant_binding(plane)
