@@ -1,4 +1,4 @@
-"""The `gymrpc` command: `up`, `status`, `down`, `rollouts`, `demo` (later issues add more subcommands)."""
+"""The `gymrpc` command: `up`, `status`, `down`, `rollouts`, `demo`, `call` (later issues add more subcommands)."""
 
 from __future__ import annotations
 
@@ -182,6 +182,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
+def cmd_call(args: argparse.Namespace) -> int:
+    from gymrpc import call
+
+    return call.run(args, _run_dir(args))
+
+
+def cmd_ctl(args: argparse.Namespace) -> int:
+    from gymrpc import ctl
+
+    return ctl.run(args, _run_dir(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gymrpc", description="Crash-surviving agentic rollouts over gRPC.")
     parser.add_argument("--run-dir", help="run folder (default $GYMRPC_RUN_DIR or ./.gymrpc)")
@@ -212,6 +224,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", default=argparse.SUPPRESS)
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
+    from gymrpc.call import add_arguments as add_call_arguments
+
+    call = sub.add_parser("call", help="call any method by stable name with JSON, through server reflection")
+    call.add_argument("--run-dir", default=argparse.SUPPRESS)
+    add_call_arguments(call)
+    call.set_defaults(func=cmd_call)
+    from gymrpc.ctl import add_arguments as add_ctl_arguments
+
+    ctl = sub.add_parser("ctl", help="coordinated checkpoints by hand: status, prepare, commit, resume, restore, ...")
+    ctl.add_argument("--run-dir", default=argparse.SUPPRESS)
+    add_ctl_arguments(ctl)
+    ctl.set_defaults(func=cmd_ctl)
     return parser
 
 

@@ -22,6 +22,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from gymrpc import auth, rundir
+from gymrpc.balancing import Balancer, affinity_key
 from gymrpc.channels import insecure_channel, service_channel_options
 from gymrpc.errors import DeadlineExceeded, GymrpcError, NotFound, Unavailable, from_rpc_error
 from gymrpc.ids import check_id, check_service_name
@@ -59,11 +60,16 @@ class Client:
 
     Args:
         registry: registry target (`unix:/path` or `host:port`). Default: `$GYMRPC_REGISTRY`,
-            else the address `gymrpc up` wrote into the run folder.
+            else the address `gymrpc up` wrote into the run folder, else (inside a Ray job) the
+            registry of the stack the Ray launcher started (`gymrpc.launch.ray.discover_registry`).
         run_dir: run folder to read the registry address and token from (default
             `$GYMRPC_RUN_DIR` or `./.gymrpc`).
-        token: bearer token for control calls. Default: `$GYMRPC_TOKEN`, else the run folder's.
+        token: bearer token for control calls. Default: `$GYMRPC_TOKEN`, else the run folder's
+            (or the Ray-launched stack's).
         retry: how long calls are retried after UNAVAILABLE (default `RetryPolicy.default`, 60 s).
+
+    A name with several replicas is balanced by `balancer` (`gymrpc.balancing`): the calls of one
+    session or episode stay on one replica, and move to another only when it fails.
 
     One `Client` belongs to one event loop; create it inside the loop that uses it.
     It is safe to share between tasks of that loop. Never share it across `fork()`.
@@ -78,13 +84,25 @@ class Client:
         retry: RetryPolicy = RetryPolicy.default,
     ) -> None:
         folder = Path(run_dir) if run_dir is not None else rundir.default_run_dir()
-        target = registry or os.environ.get("GYMRPC_REGISTRY") or rundir.read_registry_address(folder)
+        target = registry or os.environ.get("GYMRPC_REGISTRY")
+        ray_token = None
+        if not target:
+            try:
+                target = rundir.read_registry_address(folder)
+            except FileNotFoundError:
+                from gymrpc.launch.ray import discover_registry  # imports ray only if the caller already did
+
+                if (found := discover_registry()) is None:
+                    raise
+                target, ray_token = found
         if token is None:
             token = os.environ.get("GYMRPC_TOKEN")
             token_file = folder / rundir.TOKEN_FILE
             if token is None and token_file.exists():
                 token = auth.read_token_file(token_file)
+            token = token or ray_token
         self.retry = retry
+        self.balancer = Balancer()
         self.registry = RegistryClient(target, token=token)
         self._metadata = auth.metadata(token)
         self._addresses: dict[str, str] = {}
@@ -199,8 +217,11 @@ class Client:
                 old = self._addresses.get(name)
                 self._addresses[name] = address
                 self._known.add(name)
+                stale = self.balancer.update(name, endpoints)
                 if old is not None and old != address:
-                    self._drop_channel(old)
+                    stale.add(old)
+                for gone in stale:
+                    self._drop_channel(gone)
                 pending.set_result(address)
             except BaseException as exc:
                 pending.set_exception(exc)
@@ -222,7 +243,7 @@ class Client:
 
     def _drop_channel(self, address: str) -> None:
         """Close the channel to an address no name maps to any more, letting its calls finish first."""
-        if address in self._addresses.values():
+        if address in self._addresses.values() or address in self.balancer.addresses():
             return
         for key in [k for k in self._stubs if k[0] == address]:
             del self._stubs[key]
@@ -232,8 +253,13 @@ class Client:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    async def _attempts(self, name: str, method: str, timeout: float | None) -> AsyncIterator[tuple[str, float]]:
+    async def _attempts(
+        self, name: str, method: str, timeout: float | None, key: str | None = None
+    ) -> AsyncIterator[tuple[str, float]]:
         """Yield (address, seconds left) per attempt, sleeping and re-resolving in between.
+
+        `key` is the call's session (`gymrpc.balancing.affinity_key`): with replicas it picks the
+        one that holds the session, and a replica that failed with UNAVAILABLE is avoided next.
 
         The caller reports a retryable failure by continuing the loop; anything else ends it.
         """
@@ -250,8 +276,9 @@ class Client:
                     metadata={"name": name, "method": method, "attempts": str(attempt)},
                 )
             try:
-                cached = self._addresses.get(name) if attempt == 0 else None
-                address = cached or await asyncio.wait_for(self.resolve(name, fresh=attempt > 0), timeout=left)
+                if attempt > 0 or name not in self._addresses:
+                    await asyncio.wait_for(self.resolve(name, fresh=attempt > 0), timeout=left)
+                address = self.balancer.pick(name, key)
             except NotFound as exc:
                 if exc.reason == "NOT_FOUND" and name not in self._known:
                     raise  # never registered: a wrong name, not a restart; waiting would not help
@@ -263,6 +290,8 @@ class Client:
             else:
                 attempt += 1
                 failure = yield address, deadline - loop.time()
+                if isinstance(failure, Unavailable):
+                    self.balancer.failed(name, address)
                 last = str(failure)
             await asyncio.sleep(min(next(delays), max(deadline - loop.time(), 0)))
 
@@ -294,7 +323,7 @@ class NamedStub:
         client, name, retryable = self._client, self._name, self._retryable(method)
 
         async def call(request: Any, *, timeout: float | None = None) -> Any:
-            attempts = client._attempts(name, method.full_name, timeout)
+            attempts = client._attempts(name, method.full_name, timeout, affinity_key(request))
             try:
                 address, left = await anext(attempts)
                 while True:
@@ -317,7 +346,7 @@ class NamedStub:
 
         async def call(request: Any, *, timeout: float | None = None) -> AsyncIterator[Any]:
             # Retried only until the first message arrives; after that a failure is the caller's.
-            attempts = client._attempts(name, method.full_name, timeout)
+            attempts = client._attempts(name, method.full_name, timeout, affinity_key(request))
             address, left = await anext(attempts)
             while True:
                 stream = self._method(address, method)(request, timeout=left, metadata=self._metadata)

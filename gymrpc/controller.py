@@ -285,6 +285,10 @@ class Controller:
             replies.update(await self._fan(operation, stage, call))
         return replies
 
+    async def open(self, operation_id: str | None = None) -> dict[str, pb.ResumeResponse]:
+        """Open admission of processes started with `--await-restore`, when there is nothing to restore."""
+        return await self.resume(operation_id or new_checkpoint_id("open"))
+
     async def renew(self, checkpoint_id: str, *, timeout: float = 60.0) -> dict[str, pb.RenewResponse]:
         """Extend every lease past a new deadline (for a controller that publishes slowly)."""
         request = pb.RenewRequest(checkpoint_id=checkpoint_id, deadline=timestamp(time.time() + timeout))

@@ -112,6 +112,11 @@ def add_participant_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds past a control call's deadline before an open checkpoint aborts by itself (default %(default)s)",
     )
     group.add_argument(
+        "--await-restore",
+        action="store_true",
+        help="start with admission closed: data-plane calls wait until a Restore (and its Resume) or a Resume",
+    )
+    group.add_argument(
         "--no-participant",
         action="store_true",
         help="do not serve ParticipantService (no admission bookkeeping on the data plane)",
@@ -131,5 +136,7 @@ def wants_participant(args: argparse.Namespace, config: ServerConfig) -> bool:
 def start_plane(participant: Participant, name: str, args: argparse.Namespace) -> tuple[ControlPlane, ServiceBinding]:
     """A started control plane for `participant` (from `add_participant_arguments` flags) and its binding."""
     plane = ControlPlane(participant, name=name, lease_grace=args.checkpoint_lease_grace)
+    if getattr(args, "await_restore", False):
+        plane.await_restore()
     plane.start()
     return plane, participant_binding(plane)

@@ -87,10 +87,21 @@ class ControlPlane:
         self._lock = asyncio.Lock()
         self._write: _Write | None = None
         self._retiring = 0
+        self.awaiting_restore = False
+        """Started closed for a restore (`await_restore`): a restore or any resume opens admission."""
 
     @property
     def kind(self) -> Kind:
         return self.participant.kind
+
+    def await_restore(self) -> None:
+        """Keep admission closed until a restore (then its resume) or an explicit resume opens it.
+
+        For a process restarted to be restored into: a client retrying into it first would
+        make it "not fresh" and the restore would be refused.
+        """
+        self.awaiting_restore = True
+        self.participant.admission.close()
 
     def start(self) -> None:
         """Start the lease watcher (needs the running loop)."""
@@ -109,6 +120,8 @@ class ControlPlane:
         details = {**self.participant.details()}
         if self.last_abort:
             details["last_abort"] = self.last_abort
+        if self.awaiting_restore:
+            details["awaiting_restore"] = "true"
         return Status(
             kind=self.kind,
             name=self.name,
@@ -197,6 +210,7 @@ class ControlPlane:
                 raise conflict(checkpoint_id, "was already committed to another directory or scope")
             if write.task is None or _failed(write.task):
                 write.task = asyncio.get_running_loop().create_task(self._store(root, write))
+                write.task.add_done_callback(_retrieved)  # a write nobody awaits any more may still fail
         try:
             async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
                 manifest = await asyncio.shield(write.task)
@@ -264,6 +278,9 @@ class ControlPlane:
                 return True
             if outcome is ResumeOutcome.RECORD_ONLY:
                 self.fence.close(checkpoint_id)  # a late prepare of this id must not close admission
+                if self.awaiting_restore:  # the explicit open of a process that awaited a restore
+                    self.awaiting_restore = False
+                    await self.participant.open_admission()
                 return False
             await self._reopen(checkpoint_id)
             return False
@@ -299,7 +316,14 @@ class ControlPlane:
             if (cached := self.replies.get(Op.RESTORE, checkpoint_id, args)) is not None:
                 return cached
             self.fence.check(Op.RESTORE, checkpoint_id)
-            if (why := self.participant.not_fresh()) is not None:
+            why = self.participant.not_fresh()
+            if why is None and (
+                fenced := sorted(e.next() for e in scope if self.participant.marks.is_retired(e.next()))
+            ):
+                # An earlier restore failed and its cleanup retired these attempts here: installing them
+                # again would succeed, and then every call of theirs would get STALE_ATTEMPT.
+                why = f"attempts {', '.join(map(str, fenced[:10]))} were fenced by an earlier failed restore"
+            if why is not None:
                 raise FailedPrecondition(
                     f"{self.name} cannot restore: {why}; restore only into freshly started processes",
                     metadata={"name": self.name},
@@ -321,6 +345,7 @@ class ControlPlane:
                 await self.participant.open_admission()
                 raise
             self.participant.marks.mark(scope)  # attempt N is superseded by N+1 on this server
+            self.awaiting_restore = False  # this restore's resume opens admission
             self.fence.open(checkpoint_id, Phase.RESTORED)
             self.lease.renew(deadline)
             reply = (manifest.checkpoint_id, restored)
@@ -396,6 +421,12 @@ class ControlPlane:
             raise InvalidArgument("deadline must be set to a finite time", metadata={"field": "deadline"})
         if deadline <= self.clock():
             raise DeadlineExceeded("the deadline has already passed; nothing was done")
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Mark a write's failure as seen: the commit that started it may have given up at its deadline."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _failed(task: asyncio.Task[Any]) -> bool:

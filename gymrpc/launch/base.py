@@ -25,6 +25,10 @@ class ServerState:
     address: str | None = None
     restarts: int = 0
     last_exit: str | None = None
+    endpoint_id: str = "0"
+    """Which replica of the name this is (`name` is `service#id` when a name has several)."""
+    node: str | None = None
+    """Where the process runs (Ray: the node's IP; local: unset)."""
 
 
 class Launcher(Protocol):
@@ -49,4 +53,8 @@ def create_launcher(spec: StackSpec, run_dir: Path) -> Launcher:
         from gymrpc.launch.local import LocalLauncher
 
         return LocalLauncher(spec, run_dir)
-    raise ValueError(f"launcher {spec.launcher!r} is not available (only 'local')")
+    if spec.launcher == "ray":
+        from gymrpc.launch.ray import RayLauncher
+
+        return RayLauncher(spec, run_dir)
+    raise ValueError(f"launcher {spec.launcher!r} is not available (only 'local', 'ray')")

@@ -3,7 +3,11 @@
 The registry listens on a unix socket in the run folder, so its address never
 changes, even when the registry itself is restarted. Servers bind port 0 and
 register what they got; a restarted server registers its new port under the same
-name and clients follow it.
+name and clients follow it. A server with `replicas: N` runs N processes under one
+name, endpoint ids `0`..`N-1`.
+
+`ServerProcess` (one supervised process) is shared with the Ray launcher, whose host
+actors run it on cluster nodes: both launchers start, watch and restart servers alike.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,7 +31,8 @@ from gymrpc import auth, rundir
 from gymrpc.channels import insecure_channel, service_channel_options
 from gymrpc.errors import GymrpcError
 from gymrpc.launch.base import ServerState
-from gymrpc.launch.spec import ServerSpec, StackSpec
+from gymrpc.launch.spec import RestartPolicy, ServerSpec, StackSpec
+from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir, checkpoint_dirs
 from gymrpc.registry import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -37,14 +43,209 @@ class StartError(RuntimeError):
     """A server did not come up; the message carries the tail of its log."""
 
 
-class _Supervised:
-    """One server process and its restart bookkeeping."""
+@dataclass(frozen=True)
+class ProcessConfig:
+    """What a server process needs from its launcher besides its own spec."""
 
-    def __init__(self, spec: ServerSpec, state: ServerState) -> None:
-        self.spec, self.state = spec, state
+    registry_address: str
+    token_file: Path
+    lease_ttl: float
+    grace: float
+    restart: RestartPolicy
+    log_path: Path
+    bind: str
+    """The address to bind: the spec's, or (Ray) the spec's port on the node's IP."""
+    ready_file: Path | None = None
+    """The registry only: where it writes its address once serving."""
+    new_session: bool = True
+    """Start the process in its own session (local: a Ctrl-C of `gymrpc up` reaches only the launcher)."""
+
+
+class ServerProcess:
+    """One server process: spawned with the launcher's flags, awaited until SERVING, restarted by policy.
+
+    `on_change` runs after every state change (the launcher writes `stack.json` there).
+    `registry` resolves the server's name to tell that it registered; None for the registry itself.
+    """
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        endpoint_id: str,
+        config: ProcessConfig,
+        registry: RegistryClient | None,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.spec, self.endpoint_id, self.config = spec, endpoint_id, config
+        self.label = spec.label(endpoint_id)
+        self.state = ServerState(self.label, endpoint_id=endpoint_id)
         self.process: asyncio.subprocess.Process | None = None
-        self.restart_times: list[float] = []
-        self.task: asyncio.Task[None] | None = None
+        self._registry, self._on_change = registry, on_change
+        self._restart_times: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # -- one start ---------------------------------------------------------------------------
+
+    def argv(self) -> list[str]:
+        spec, config = self.spec, self.config
+        argv = [
+            sys.executable,
+            "-m",
+            spec.module,
+            "--name",
+            spec.name,
+            "--bind",
+            config.bind,
+            "--token-file",
+            str(config.token_file),
+            "--lease-ttl",
+            str(config.lease_ttl),
+            "--grace",
+            str(config.grace),
+            *spec.argv(),
+        ]
+        if spec.replicas > 1 or self.endpoint_id != "0":
+            argv += ["--endpoint-id", self.endpoint_id]
+        if config.ready_file is not None:
+            argv += ["--ready-file", str(config.ready_file)]
+        else:
+            argv += ["--registry", config.registry_address]
+        return argv
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        env = {**os.environ, **self.spec.env, "GYMRPC_SUPERVISOR_PID": str(os.getpid())}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(self.config.log_path, "ab") as out:  # noqa: ASYNC230 - a local append-open, microseconds
+            return await asyncio.create_subprocess_exec(
+                *self.argv(),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+                start_new_session=self.config.new_session,
+            )
+
+    async def start(self) -> None:
+        """Spawn the process and return once it is registered and SERVING; StartError otherwise."""
+        self.state.state = "starting"
+        self.process = await self._spawn()
+        self.state.pid = self.process.pid
+        self._on_change()
+        await self._wait_serving()
+        self.state.state = "serving"
+        self._on_change()
+        log.info(
+            "server serving",
+            extra={"service": self.label, "pid": self.process.pid, "address": self.state.address},
+        )
+
+    async def _wait_serving(self) -> None:
+        """Until the process has registered (the registry: bound its socket) and health says SERVING."""
+        proc, spec = self.process, self.spec
+        assert proc is not None
+        deadline = time.monotonic() + spec.start_timeout
+        address = None
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise StartError(f"{self.label} exited with code {proc.returncode} while starting:\n{self.tail()}")
+            address = address or await self._registered_address(proc.pid)
+            if address and await _health_serving(address):
+                self.state.address = address
+                return
+            await asyncio.sleep(0.05)
+        raise StartError(f"{self.label} did not become SERVING within {spec.start_timeout:.0f}s:\n{self.tail()}")
+
+    async def _registered_address(self, pid: int) -> str | None:
+        if self.config.ready_file is not None:
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                info = json.loads(self.config.ready_file.read_text())
+                if info.get("pid") == pid:
+                    return str(info["address"])
+            return None
+        assert self._registry is not None
+        try:
+            endpoints = await self._registry.resolve(self.spec.name, timeout=2.0)
+        except GymrpcError:
+            return None
+        return next(
+            (e.address for e in endpoints if e.endpoint_id == self.endpoint_id and e.labels.get("pid") == str(pid)),
+            None,
+        )
+
+    def tail(self, lines: int = 20) -> str:
+        """The last lines of the server's log, indented, for error messages."""
+        try:
+            text = self.config.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(f"  | {line}" for line in text[-lines:]) + f"\n  (log: {self.config.log_path})"
+
+    # -- supervision -------------------------------------------------------------------------
+
+    def supervise(self) -> None:
+        """Restart the process whenever it exits, until `stop` or the restart budget is spent."""
+        self._task = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        policy = self.config.restart
+        while not self._stopping:
+            assert self.process is not None
+            code = await self.process.wait()
+            if self._stopping:
+                return
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+            self.state.last_exit = how
+            now = time.monotonic()
+            self._restart_times = [t for t in self._restart_times if now - t < policy.window_seconds]
+            if len(self._restart_times) >= policy.max_restarts:
+                self.state.state = "failed"
+                self._on_change()
+                log.error(
+                    "server died too often; not restarting it",
+                    extra={
+                        "service": self.label,
+                        "exit": how,
+                        "restarts_in_window": len(self._restart_times),
+                        "window_s": policy.window_seconds,
+                    },
+                )
+                return
+            self._restart_times.append(now)
+            self.state.restarts += 1
+            self.state.state = "restarting"
+            self._on_change()
+            delay = min(policy.backoff_seconds * 2 ** (len(self._restart_times) - 1), 5.0)
+            log.warning(
+                "server exited; restarting",
+                extra={"service": self.label, "exit": how, "restart": self.state.restarts, "delay_s": delay},
+            )
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            try:
+                await self.start()
+            except StartError as exc:
+                log.error("restart failed: %s", exc, extra={"service": self.label})
+                # the process may still be alive but unhealthy: kill it and let the loop count the restart
+                if self.process is not None and self.process.returncode is None:
+                    self.process.kill()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """SIGTERM the process, SIGKILL it if it outlives the grace; supervision ends first."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+        proc = self.process
+        if proc is not None and proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=(self.config.grace if grace is None else grace) + 3)
+            except TimeoutError:
+                log.warning("server ignored SIGTERM; killing it", extra={"service": self.label})
+                proc.kill()
+                await proc.wait()
+        self.state.state = "stopped"
 
 
 class LocalLauncher:
@@ -57,7 +258,7 @@ class LocalLauncher:
             f"unix:{rundir.registry_socket(self.run_dir)}" if spec.registry_bind == "unix" else spec.registry_bind
         )
         self._registry_spec = ServerSpec(name=REGISTRY_NAME, role="registry", bind=self.registry_address)
-        self._servers: dict[str, _Supervised] = {}
+        self._servers: dict[str, ServerProcess] = {}
         self._stopping = False
         self._registry_client: RegistryClient | None = None
         self._lock_fd: int | None = None
@@ -66,184 +267,49 @@ class LocalLauncher:
     # -- files ---------------------------------------------------------------------------
 
     def _prepare_run_dir(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / rundir.LOG_DIR).mkdir(exist_ok=True)
-        self._lock_fd = os.open(self.run_dir / "launcher.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeError(f"a stack is already running in {self.run_dir}; stop it with `gymrpc down`") from None
-        auth.write_token_file(self.run_dir / rundir.TOKEN_FILE, self.token)
-        (self.run_dir / rundir.REGISTRY_FILE).unlink(missing_ok=True)
+        self._lock_fd = prepare_run_dir(self.run_dir, self.token)
 
     def write_state(self) -> None:
-        rundir.write_json_atomic(
-            self.run_dir / rundir.STATE_FILE,
-            {
-                "launcher": "local",
-                "launcher_pid": os.getpid(),
-                "state": self.state,
-                "registry": self.registry_address,
-                "updated_at": time.time(),
-                "servers": [asdict(s.state) for s in self._servers.values()],
-            },
+        write_stack_state(self.run_dir, "local", self.state, self.registry_address, self.server_states())
+
+    def log_path(self, label: str) -> Path:
+        return self.run_dir / rundir.LOG_DIR / log_file_name(label)
+
+    def _process(self, spec: ServerSpec, endpoint_id: str, registry: RegistryClient | None) -> ServerProcess:
+        is_registry = spec.role == "registry"
+        config = ProcessConfig(
+            registry_address=self.registry_address,
+            token_file=self.run_dir / rundir.TOKEN_FILE,
+            lease_ttl=self.spec.lease_ttl,
+            grace=self.spec.grace,
+            restart=self.spec.restart,
+            log_path=self.log_path(spec.label(endpoint_id)),
+            bind=spec.bind,
+            ready_file=self.run_dir / "registry.ready" if is_registry else None,
         )
-
-    def log_path(self, name: str) -> Path:
-        return self.run_dir / rundir.LOG_DIR / (name.replace("/", "__") + ".log")
-
-    # -- processes -----------------------------------------------------------------------
-
-    async def _spawn(self, spec: ServerSpec) -> asyncio.subprocess.Process:
-        argv = [
-            sys.executable,
-            "-m",
-            spec.module,
-            "--name",
-            spec.name,
-            "--bind",
-            spec.bind,
-            "--token-file",
-            str(self.run_dir / rundir.TOKEN_FILE),
-            "--lease-ttl",
-            str(self.spec.lease_ttl),
-            "--grace",
-            str(self.spec.grace),
-            *spec.argv(),
-        ]
-        if spec.role == "registry":
-            argv += ["--ready-file", str(self.run_dir / "registry.ready")]
-        else:
-            argv += ["--registry", self.registry_address]
-        env = {**os.environ, **spec.env, "GYMRPC_SUPERVISOR_PID": str(os.getpid())}
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(self.log_path(spec.name), "ab") as out:  # noqa: ASYNC230 - a local append-open, microseconds
-            return await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                env=env,
-                start_new_session=True,
-            )
-
-    async def _wait_serving(self, sup: _Supervised) -> None:
-        """Until the process has registered (the registry: bound its socket) and health says SERVING."""
-        proc, spec = sup.process, sup.spec
-        assert proc is not None
-        deadline = time.monotonic() + spec.start_timeout
-        address = None
-        while time.monotonic() < deadline:
-            if proc.returncode is not None:
-                raise StartError(f"{spec.name} exited with code {proc.returncode} while starting:\n{self._tail(spec)}")
-            address = address or await self._registered_address(spec, proc.pid)
-            if address and await _health_serving(address):
-                sup.state.address = address
-                return
-            await asyncio.sleep(0.05)
-        raise StartError(f"{spec.name} did not become SERVING within {spec.start_timeout:.0f}s:\n{self._tail(spec)}")
-
-    async def _registered_address(self, spec: ServerSpec, pid: int) -> str | None:
-        if spec.role == "registry":
-            ready = self.run_dir / "registry.ready"
-            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                info = json.loads(ready.read_text())
-                if info.get("pid") == pid:
-                    return str(info["address"])
-            return None
-        assert self._registry_client is not None
-        try:
-            endpoints = await self._registry_client.resolve(spec.name, timeout=2.0)
-        except GymrpcError:
-            return None
-        return next((e.address for e in endpoints if e.labels.get("pid") == str(pid)), None)
-
-    def _tail(self, spec: ServerSpec, lines: int = 20) -> str:
-        try:
-            text = self.log_path(spec.name).read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return "(no log)"
-        return "\n".join(f"  | {line}" for line in text[-lines:]) + f"\n  (log: {self.log_path(spec.name)})"
-
-    async def _start_one(self, sup: _Supervised) -> None:
-        sup.state.state = "starting"
-        sup.process = await self._spawn(sup.spec)
-        sup.state.pid = sup.process.pid
-        self.write_state()
-        await self._wait_serving(sup)
-        sup.state.state = "serving"
-        self.write_state()
-        log.info(
-            "server serving",
-            extra={"service": sup.spec.name, "pid": sup.process.pid, "address": sup.state.address},
-        )
-
-    async def _supervise(self, sup: _Supervised) -> None:
-        policy = self.spec.restart
-        while not self._stopping:
-            assert sup.process is not None
-            code = await sup.process.wait()
-            if self._stopping:
-                return
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
-            sup.state.last_exit = how
-            now = time.monotonic()
-            sup.restart_times = [t for t in sup.restart_times if now - t < policy.window_seconds]
-            if len(sup.restart_times) >= policy.max_restarts:
-                sup.state.state = "failed"
-                self.write_state()
-                log.error(
-                    "server died too often; not restarting it",
-                    extra={
-                        "service": sup.spec.name,
-                        "exit": how,
-                        "restarts_in_window": len(sup.restart_times),
-                        "window_s": policy.window_seconds,
-                    },
-                )
-                return
-            sup.restart_times.append(now)
-            sup.state.restarts += 1
-            sup.state.state = "restarting"
-            self.write_state()
-            delay = min(policy.backoff_seconds * 2 ** (len(sup.restart_times) - 1), 5.0)
-            log.warning(
-                "server exited; restarting",
-                extra={
-                    "service": sup.spec.name,
-                    "exit": how,
-                    "restart": sup.state.restarts,
-                    "delay_s": delay,
-                },
-            )
-            await asyncio.sleep(delay)
-            if self._stopping:
-                return
-            try:
-                await self._start_one(sup)
-            except StartError as exc:
-                log.error("restart failed: %s", exc, extra={"service": sup.spec.name})
-                # the process may still be alive but unhealthy: kill it and let the loop count the restart
-                if sup.process is not None and sup.process.returncode is None:
-                    sup.process.kill()
+        return ServerProcess(spec, endpoint_id, config, registry, self.write_state)
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the registry, then every server; return once all are SERVING."""
+        """Start the registry, then every server replica; return once all are SERVING."""
         self._prepare_run_dir()
-        for spec in (self._registry_spec, *self.spec.servers):
-            self._servers[spec.name] = _Supervised(spec, ServerState(spec.name))
         try:
-            registry = self._servers[REGISTRY_NAME]
-            await self._start_one(registry)
-            registry.task = asyncio.get_running_loop().create_task(self._supervise(registry))
+            registry = self._servers[REGISTRY_NAME] = self._process(self._registry_spec, "0", None)
+            await registry.start()
+            registry.supervise()
             rundir.write_text_atomic(self.run_dir / rundir.REGISTRY_FILE, self.registry_address + "\n")
             self._registry_client = RegistryClient(self.registry_address, token=self.token)
-            others = [self._servers[s.name] for s in self.spec.servers]
-            await asyncio.gather(*(self._start_one(s) for s in others))
-            for sup in others:
-                sup.task = asyncio.get_running_loop().create_task(self._supervise(sup))
+            await asyncio.gather(*(_check_dirs(s) for s in self.spec.servers))
+            others = [
+                self._process(spec, endpoint_id, self._registry_client)
+                for spec in self.spec.servers
+                for endpoint_id in spec.endpoint_ids()
+            ]
+            self._servers.update((p.label, p) for p in others)
+            await asyncio.gather(*(p.start() for p in others))
+            for process in others:
+                process.supervise()
         except BaseException:
             await self.stop()
             raise
@@ -257,13 +323,10 @@ class LocalLauncher:
         self._stopping = True
         self.state = "stopping"
         self.write_state()
-        for sup in self._servers.values():
-            if sup.task is not None:
-                sup.task.cancel()
-        others = [s for n, s in self._servers.items() if n != REGISTRY_NAME]
-        await asyncio.gather(*(self._terminate(s) for s in others))
+        others = [p for label, p in self._servers.items() if label != REGISTRY_NAME]
+        await asyncio.gather(*(p.stop() for p in others))
         if REGISTRY_NAME in self._servers:
-            await self._terminate(self._servers[REGISTRY_NAME])
+            await self._servers[REGISTRY_NAME].stop()
         if self._registry_client is not None:
             await self._registry_client.close()
         (self.run_dir / rundir.REGISTRY_FILE).unlink(missing_ok=True)
@@ -272,20 +335,54 @@ class LocalLauncher:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
 
-    async def _terminate(self, sup: _Supervised) -> None:
-        proc = sup.process
-        if proc is not None and proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), timeout=self.spec.grace + 3)
-            except TimeoutError:
-                log.warning("server ignored SIGTERM; killing it", extra={"service": sup.spec.name})
-                proc.kill()
-                await proc.wait()
-        sup.state.state = "stopped"
-
     def server_states(self) -> list[ServerState]:
-        return [s.state for s in self._servers.values()]
+        return [p.state for p in self._servers.values()]
+
+
+# -- shared with the Ray launcher ------------------------------------------------------------
+
+
+def prepare_run_dir(run_dir: Path, token: str) -> int:
+    """Create the run folder, take its lock (one stack per folder), write the token; returns the lock fd."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / rundir.LOG_DIR).mkdir(exist_ok=True)
+    lock_fd = os.open(run_dir / "launcher.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        raise RuntimeError(f"a stack is already running in {run_dir}; stop it with `gymrpc down`") from None
+    auth.write_token_file(run_dir / rundir.TOKEN_FILE, token)
+    (run_dir / rundir.REGISTRY_FILE).unlink(missing_ok=True)
+    return lock_fd
+
+
+def write_stack_state(run_dir: Path, launcher: str, state: str, registry: str, servers: list[ServerState]) -> None:
+    """`stack.json`: what `gymrpc status` and `gymrpc down` read."""
+    rundir.write_json_atomic(
+        run_dir / rundir.STATE_FILE,
+        {
+            "launcher": launcher,
+            "launcher_pid": os.getpid(),
+            "state": state,
+            "registry": registry,
+            "updated_at": time.time(),
+            "servers": [asdict(s) for s in servers],
+        },
+    )
+
+
+def log_file_name(label: str) -> str:
+    return label.replace("/", "__") + ".log"
+
+
+async def _check_dirs(spec: ServerSpec) -> None:
+    """Refuse to start a server whose checkpoint folder it could not use (the folder is local here)."""
+    for folder in checkpoint_dirs(spec.args):
+        try:
+            await asyncio.to_thread(check_checkpoint_dir, folder)
+        except CheckpointDirError as exc:
+            raise StartError(f"{spec.name}: {exc}") from None
 
 
 async def _health_serving(address: str, timeout: float = 1.0) -> bool:

@@ -11,6 +11,9 @@ import yaml
 
 from gymrpc.ids import check_service_name
 
+LAUNCHERS = ("local", "ray")
+MAX_REPLICAS = 1024
+
 ROLE_MODULES = {
     "registry": "servers.registry",
     "resources": "servers.resources",
@@ -44,10 +47,27 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     start_timeout: float = 60.0
     """Seconds a (re)started server has to register and report SERVING."""
+    replicas: int = 1
+    """Processes behind the one name, endpoint ids `0`..`replicas-1`; clients balance sessions over them."""
+    num_cpus: float = 1.0
+    """Ray: CPUs each replica reserves (a placement request, as for any Ray actor); local: ignored."""
+    num_gpus: float = 0.0
+    """Ray: GPUs each replica reserves (the model server); local: ignored."""
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Ray: custom resources each replica needs, e.g. `{worker: 1}`; local: ignored."""
+    node: str | None = None
+    """Ray: the only node the replicas may run on (its IP or hex node id); unset spreads them; local: ignored."""
 
     @property
     def module(self) -> str:
         return ROLE_MODULES.get(self.role, self.role)
+
+    def endpoint_ids(self) -> list[str]:
+        return [str(i) for i in range(self.replicas)]
+
+    def label(self, endpoint_id: str) -> str:
+        """How `gymrpc status` and log file names tell replicas apart: `name`, or `name#id` with replicas."""
+        return self.name if self.replicas == 1 else f"{self.name}#{endpoint_id}"
 
     def argv(self) -> list[str]:
         out: list[str] = []
@@ -61,16 +81,35 @@ class ServerSpec:
 
 
 @dataclass(frozen=True)
+class RayOptions:
+    """Where the Ray launcher finds its cluster (`ray:` in the config)."""
+
+    address: str | None = None
+    """`auto` (the cluster this machine belongs to), `host:port` of a head node, or unset: a private
+    local Ray instance that lives as long as `gymrpc up`."""
+    namespace: str = "gymrpc"
+    """Ray namespace of the stack's actors; clients inside Ray jobs find the registry in it."""
+    num_cpus: float | None = None
+    """CPUs of the private local instance (default: what the servers request)."""
+    max_actor_restarts: int = -1
+    """Times Ray restarts a server's host actor after its process or node died (-1: always)."""
+    log_dir: str | None = None
+    """Folder for server logs on each node (default: `gymrpc-<namespace>/logs` in the node's temp folder)."""
+
+
+@dataclass(frozen=True)
 class StackSpec:
     """A whole stack: the registry and the servers that register with it."""
 
     servers: tuple[ServerSpec, ...]
     registry_bind: str = "unix"
-    """`unix` (a socket in the run folder, the default) or a fixed `host:port`."""
+    """`unix` (a socket in the run folder, the default; on Ray: a free port on the launcher's node) or a
+    fixed `host:port`."""
     lease_ttl: float = 10.0
     grace: float = 5.0
     restart: RestartPolicy = RestartPolicy()
     launcher: str = "local"
+    ray: RayOptions = RayOptions()
 
 
 DEFAULT_STACK = """
@@ -96,7 +135,7 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
     """Validate a parsed config; every problem names its key."""
     if not isinstance(data, Mapping):
         raise _fail(where, "top level must be a mapping")
-    known = {"servers", "registry", "lease_ttl", "grace", "restart", "launcher"}
+    known = {"servers", "registry", "lease_ttl", "grace", "restart", "launcher", "ray"}
     if unknown := set(data) - known:
         raise _fail(where, f"unknown keys {sorted(unknown)} (known: {sorted(known)})")
     servers = []
@@ -104,7 +143,7 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
     for i, raw in enumerate(data.get("servers") or ()):
         if not isinstance(raw, Mapping) or "name" not in raw or "role" not in raw:
             raise _fail(where, f"servers[{i}] needs 'name' and 'role'")
-        extra = set(raw) - {"name", "role", "args", "bind", "env", "start_timeout"}
+        extra = set(raw) - {"name", "role", "args", "bind", "env", "start_timeout", *_PLACEMENT_KEYS}
         if extra:
             raise _fail(where, f"servers[{i}] has unknown keys {sorted(extra)}")
         try:
@@ -122,6 +161,7 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
                 bind=str(raw.get("bind", "127.0.0.1:0")),
                 env={k: str(v) for k, v in (raw.get("env") or {}).items()},
                 start_timeout=float(raw.get("start_timeout", 60.0)),
+                **_placement(raw, f"{where} servers[{i}] ({raw['name']})"),
             )
         )
     if not servers:
@@ -133,8 +173,8 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
     except TypeError as exc:
         raise _fail(where, f"restart: {exc}") from None
     launcher = str(data.get("launcher", "local"))
-    if launcher != "local":
-        raise _fail(where, f"launcher {launcher!r} is not available (only 'local')")
+    if launcher not in LAUNCHERS:
+        raise _fail(where, f"launcher {launcher!r} is not available (only {', '.join(map(repr, LAUNCHERS))})")
     return StackSpec(
         servers=tuple(servers),
         registry_bind=str(registry.get("bind", "unix")),
@@ -142,7 +182,66 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
         grace=float(data.get("grace", 5.0)),
         restart=policy,
         launcher=launcher,
+        ray=_ray_options(data.get("ray"), where),
     )
+
+
+_PLACEMENT_KEYS = ("replicas", "num_cpus", "num_gpus", "resources", "node")
+
+
+def _placement(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`replicas` and the Ray resource requests of one server, validated."""
+    out: dict[str, Any] = {}
+    try:
+        replicas = raw.get("replicas", 1)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
+            raise ValueError(f"replicas must be an integer from 1 to {MAX_REPLICAS}, got {replicas!r}")
+        out["replicas"] = replicas
+        if replicas > 1 and not str(raw.get("bind", "127.0.0.1:0")).endswith(":0"):
+            raise ValueError("replicas share one name, not one address: their bind must end in ':0' (any port)")
+        for key in ("num_cpus", "num_gpus"):
+            if key in raw:
+                out[key] = _amount(raw[key], key)
+        if "resources" in raw:
+            if not isinstance(raw["resources"], Mapping):
+                raise ValueError(f"resources must be a mapping of name to amount, got {raw['resources']!r}")
+            out["resources"] = {str(k): _amount(v, f"resources.{k}") for k, v in raw["resources"].items()}
+        if raw.get("node") is not None:
+            out["node"] = str(raw["node"])
+    except ValueError as exc:
+        raise _fail(where, str(exc)) from None
+    return out
+
+
+def _amount(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _ray_options(raw: Any, where: str) -> RayOptions:
+    if raw is None:
+        return RayOptions()
+    if not isinstance(raw, Mapping):
+        raise _fail(where, "ray: must be a mapping (address, namespace, num_cpus, max_actor_restarts, log_dir)")
+    try:
+        options = RayOptions(**raw)
+    except TypeError as exc:
+        raise _fail(where, f"ray: {exc}") from None
+    if options.address is not None and not isinstance(options.address, str):
+        raise _fail(where, f"ray: address must be a string, got {options.address!r}")
+    if not isinstance(options.namespace, str) or not options.namespace:
+        raise _fail(where, "ray: namespace must be a non-empty string")
+    if options.num_cpus is not None:
+        try:
+            _amount(options.num_cpus, "num_cpus")
+        except ValueError as exc:
+            raise _fail(where, f"ray: {exc}") from None
+    if options.log_dir is not None and not str(options.log_dir).startswith("/"):
+        raise _fail(where, f"ray: log_dir must be an absolute path (every node resolves it), got {options.log_dir!r}")
+    if isinstance(options.max_actor_restarts, bool) or not isinstance(options.max_actor_restarts, int):
+        raise _fail(where, f"ray: max_actor_restarts must be an integer, got {options.max_actor_restarts!r}")
+    return options
 
 
 def load_stack_spec(path: Path | None) -> StackSpec:

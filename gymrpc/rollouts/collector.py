@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +116,7 @@ async def collect(
     max_steps: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
     skip: Collection[str] = (),
+    attempts: Mapping[str, int] | None = None,
     id_prefix: str | None = None,
     on_start: OnStart | None = None,
     on_result: OnResult | None = None,
@@ -125,10 +126,11 @@ async def collect(
     Episodes run task by task, repeats of one task next to each other (a GRPO group
     finishes together). `on_result` is called (and awaited if async) as each episode
     ends, successful or not; an exception from it stops the collection. Episode ids in
-    `skip` are not run (a resumed collection). Bare `Task`s get ids `<id_prefix>-t<i>-r<repeat>`;
-    without `id_prefix`, a random one per call, so two calls never share an episode id (pass
-    one, for example the training step, to make a retried call recognisable). Returns the
-    results in finishing order.
+    `skip` are not run (a resumed collection); `attempts` gives the attempt an episode id runs
+    as (default 0; after a restored checkpoint, attempt N continues as N+1). Bare `Task`s get
+    ids `<id_prefix>-t<i>-r<repeat>`; without `id_prefix`, a random one per call, so two calls
+    never share an episode id (pass one, for example the training step, to make a retried call
+    recognisable). Returns the results in finishing order.
     Cancelling the call cancels the episodes in flight; results already reported stay.
 
     Raises `NotFound` at once when `agent` was never registered.
@@ -147,7 +149,9 @@ async def collect(
     async def run_one(task: RolloutTask, repeat: int) -> EpisodeResult:
         request = agent_pb.RunRequest(
             task=task.task,
-            episode_id=common_pb2.EpisodeId(rollout_id=task.episode_id(repeat)),
+            episode_id=common_pb2.EpisodeId(
+                rollout_id=task.episode_id(repeat), attempt=(attempts or {}).get(task.episode_id(repeat), 0)
+            ),
             policy_version=policy_version,
             options=options,
         )

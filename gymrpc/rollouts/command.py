@@ -1,7 +1,8 @@
 """`gymrpc rollouts TASKS.jsonl --agent NAME --out results.jsonl`: the collector as a command.
 
 Exit codes: 0 every episode completed; 1 some failed (each is in the results file with
-its error); 2 bad arguments or task file; 3 no stack to talk to; 130 interrupted (what
+its error); 2 bad arguments or task file; 3 no stack to talk to; 75 stopped by SIGTERM
+after a checkpoint (`--checkpoint-dir`; `--resume` restores it); 130 interrupted (what
 was written stays, and `--resume` continues from it).
 """
 
@@ -10,13 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 import sys
 import time
 from pathlib import Path
 
 from gymrpc import rundir
 from gymrpc.client import Client
+from gymrpc.controller import CoordinationError
 from gymrpc.errors import GymrpcError, NotFound
+from gymrpc.rollouts.checkpointing import EXIT_CHECKPOINTED, CheckpointingRun, CheckpointKeeper
 from gymrpc.rollouts.collector import DEFAULT_TIMEOUT, EpisodeResult, collect
 from gymrpc.rollouts.report import Progress, ResultWriter, Summary, done_ids
 from gymrpc.rollouts.tasks import RolloutTask, TaskFileError, load_tasks
@@ -46,6 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     existing.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
+    group = parser.add_argument_group("coordinated checkpoints (the collector as controller)")
+    group.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="checkpoint the stack here (on SIGUSR1, on SIGTERM then exit 75, and every --checkpoint-every); "
+        "with --resume, restore its LATEST first",
+    )
+    group.add_argument("--checkpoint-every", type=float, default=0.0, help="seconds between checkpoints (0: off)")
+    group.add_argument("--keep-checkpoints", type=_positive, default=3, help="checkpoints kept (default %(default)s)")
+    group.add_argument(
+        "--checkpoint-timeout", type=float, default=30.0, help="seconds a checkpoint may take (default %(default)s)"
+    )
 
 
 def _positive(text: str) -> int:
@@ -83,16 +99,51 @@ async def _main(args: argparse.Namespace, tasks: list[RolloutTask], skip: set[st
             return _fail(f"{exc.message} (registered agents: {', '.join(names) or 'none'})", EXIT_USAGE)
         except GymrpcError as exc:
             return _fail(f"cannot reach the stack in {run_dir}: {exc}", EXIT_NO_STACK)
+        control = None
+        if args.checkpoint_dir is not None:
+            control = CheckpointingRun(client, CheckpointKeeper(args.checkpoint_dir, args.keep_checkpoints))
+            control.timeout = args.checkpoint_timeout
+            try:
+                await control.open(args.resume, skip)
+            except (GymrpcError, CoordinationError) as exc:  # e.g. the stack is not fresh: nothing was restored
+                return _fail(f"cannot restore the latest checkpoint of {args.checkpoint_dir}: {exc}", EXIT_NO_STACK)
+            except (OSError, ValueError, KeyError) as exc:
+                return _fail(f"{args.checkpoint_dir} holds no readable checkpoint: {exc!r}", EXIT_USAGE)
         progress = Progress(planned, label=args.agent) if not args.quiet else None
         writer = ResultWriter(args.out, append=args.resume)
 
         def on_result(result: EpisodeResult) -> None:
+            if control is not None:
+                if control.stopped and not result.ok:
+                    return  # refused by the parked stack: not an outcome, the checkpoint has it
+                control.finished(result.episode_id)
             writer.write(result.to_json())
             results.append(result)
             if progress is not None:
                 progress.update(result)
 
-        ticker = asyncio.get_running_loop().create_task(_tick(progress))
+        def on_start(task: RolloutTask, repeat: int) -> None:
+            if control is not None:
+                control.started(task.episode_id(repeat))
+
+        loop = asyncio.get_running_loop()
+        ticker = loop.create_task(_tick(progress))
+        background: list[asyncio.Task[object]] = []
+        current = asyncio.current_task()
+        checkpointed = False
+
+        async def terminate() -> None:
+            nonlocal checkpointed
+            assert control is not None
+            checkpointed = await control.checkpoint(stop=True) is not None
+            if current is not None:
+                current.cancel()
+
+        if control is not None:
+            loop.add_signal_handler(signal.SIGUSR1, lambda: background.append(loop.create_task(control.checkpoint())))
+            loop.add_signal_handler(signal.SIGTERM, lambda: background.append(loop.create_task(terminate())))
+            if args.checkpoint_every > 0:
+                background.append(loop.create_task(control.every(args.checkpoint_every)))
         started = time.perf_counter()
         try:
             await collect(
@@ -105,21 +156,36 @@ async def _main(args: argparse.Namespace, tasks: list[RolloutTask], skip: set[st
                 max_steps=args.max_steps,
                 timeout=args.timeout,
                 skip=skip,
+                attempts=control.attempts if control is not None else None,
+                on_start=on_start,
                 on_result=on_result,
             )
-        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels us; keep what was written
+        except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels us) or SIGTERM: keep what was written
             interrupted = True
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
         finally:
+            if control is not None:
+                loop.remove_signal_handler(signal.SIGUSR1)
+                loop.remove_signal_handler(signal.SIGTERM)
+            for job in background:
+                job.cancel()
             ticker.cancel()
             writer.close()
             if progress is not None:
                 progress.close()
     summary = Summary(results, time.perf_counter() - started, planned, skipped=len(skip), interrupted=interrupted)
     print("\n".join(summary.lines()))
+    if control is not None:
+        print(
+            f"checkpoints {control.taken} taken in {args.checkpoint_dir}; "
+            f"restored episodes: {len(control.continued)} continued, {len(control.restarted)} restarted"
+        )
     print(f"results   {args.out} ({writer.written} lines written)")
+    if checkpointed:
+        print("stopped after a checkpoint: rerun with --resume on a fresh stack to continue", file=sys.stderr)
+        return EXIT_CHECKPOINTED
     if interrupted:
         print(f"interrupted: rerun with --resume to run the {planned - len(results)} remaining", file=sys.stderr)
         return EXIT_INTERRUPTED

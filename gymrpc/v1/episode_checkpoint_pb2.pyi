@@ -69,6 +69,7 @@ class EpisodeCheckpoint(_message.Message):
     FINAL_RESULT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    PARKED_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """Version of this record's layout; currently 1. A reader refuses versions
     it does not know with DATA_LOSS rather than guess.
@@ -169,6 +170,12 @@ class EpisodeCheckpoint(_message.Message):
     def expires_at(self) -> _timestamp_pb2.Timestamp:
         """When a completed record may be deleted; unset while the episode runs."""
 
+    @_builtins.property
+    def parked(self) -> _duration_pb2.Duration:
+        """Time spent parked at a boundary while a coordinated checkpoint was open;
+        part of `elapsed`, but not counted against the episode's deadline.
+        """
+
     def __init__(
         self,
         *,
@@ -197,10 +204,11 @@ class EpisodeCheckpoint(_message.Message):
         final_result: _agent_service_pb2.Trajectory | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
+        parked: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["elapsed", b"elapsed", "episode_id", b"episode_id", "expires_at", b"expires_at", "final_result", b"final_result", "resource_snapshot", b"resource_snapshot", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["elapsed", b"elapsed", "episode_id", b"episode_id", "expires_at", b"expires_at", "final_result", b"final_result", "parked", b"parked", "resource_snapshot", b"resource_snapshot", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed", b"elapsed", "episode_id", b"episode_id", "expires_at", b"expires_at", "final_result", b"final_result", "max_steps", b"max_steps", "messages", b"messages", "model_calls", b"model_calls", "next_tool_index", b"next_tool_index", "pending_tool_calls", b"pending_tool_calls", "phase", b"phase", "policy_version", b"policy_version", "request_fingerprint", b"request_fingerprint", "resource_snapshot", b"resource_snapshot", "restart_count", b"restart_count", "resume_count", b"resume_count", "revision", b"revision", "schema_version", b"schema_version", "session_id", b"session_id", "step", b"step", "stop_reason", b"stop_reason", "text_turns", b"text_turns", "tool_calls", b"tool_calls", "tools", b"tools", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed", b"elapsed", "episode_id", b"episode_id", "expires_at", b"expires_at", "final_result", b"final_result", "max_steps", b"max_steps", "messages", b"messages", "model_calls", b"model_calls", "next_tool_index", b"next_tool_index", "parked", b"parked", "pending_tool_calls", b"pending_tool_calls", "phase", b"phase", "policy_version", b"policy_version", "request_fingerprint", b"request_fingerprint", "resource_snapshot", b"resource_snapshot", "restart_count", b"restart_count", "resume_count", b"resume_count", "revision", b"revision", "schema_version", b"schema_version", "session_id", b"session_id", "step", b"step", "stop_reason", b"stop_reason", "text_turns", b"text_turns", "tool_calls", b"tool_calls", "tools", b"tools", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

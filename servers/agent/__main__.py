@@ -3,7 +3,8 @@
 The agent reaches resources and model by their stable names through the registry, so it
 follows them when they restart on new ports. `--resume-dir PATH` turns on durable resume:
 every episode is checkpointed at each boundary under PATH, and a retried `Run` (after the
-agent itself was killed, say) continues it.
+agent itself was killed, say) continues it. Otherwise the agent serves `ParticipantService`
+(coordinated checkpoints: `servers.agent.participant`) unless `--no-participant`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from gymrpc.v1 import agent_service_pb2 as pb
 from gymrpc.v1 import agent_service_pb2_grpc as pb_grpc
 from servers.agent.durable import ResumeConfig
 from servers.agent.faults import CrashingResources, CrashPlan
+from servers.agent.participant import AgentParticipant
 from servers.agent.service import AgentConfig, AgentServicer
 from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+from servers.participant import add_participant_arguments, start_plane, wants_participant
 
 log = logging.getLogger("servers.agent")
 SWEEP_INTERVAL = 600.0
@@ -89,6 +92,7 @@ def main() -> None:
         default="file",
         help="how saves are made durable: fsync per file (default) or syncfs per batch",
     )
+    add_participant_arguments(parser)
     args = parser.parse_args()
     server_config = config_from_arguments(args)
     if not server_config.registry:
@@ -128,21 +132,31 @@ def main() -> None:
         if store is not None:
             sweeper = asyncio.get_running_loop().create_task(_sweep(store))
             log.info("durable resume on", extra={"resume_dir": str(store.root), "sync": args.resume_sync})
-        servicer = AgentServicer(config, resources, client.model(config.model_name), store=store, crash=crash)
-        binding = ServiceBinding(
-            pb.DESCRIPTOR.services_by_name["AgentService"],
-            servicer,
-            pb_grpc.add_AgentServiceServicer_to_server,
+        participant, plane, bindings = None, None, []
+        if store is None and wants_participant(args, server_config):
+            participant = AgentParticipant()
+            plane, control = start_plane(participant, server_config.name, args)
+            bindings.append(control)
+        servicer = AgentServicer(
+            config, resources, client.model(config.model_name), store=store, crash=crash, participant=participant
+        )
+        bindings.insert(
+            0,
+            ServiceBinding(
+                pb.DESCRIPTOR.services_by_name["AgentService"], servicer, pb_grpc.add_AgentServiceServicer_to_server
+            ),
         )
 
         async def on_stop() -> None:
+            if plane is not None:
+                await plane.close()
             await client.close()
             if store is not None and sweeper is not None:
                 sweeper.cancel()
                 await store.close()
                 log.info("episode store stats", extra=asdict(store.committer.stats))
 
-        await serve(server_config, [binding], on_stop=on_stop)
+        await serve(server_config, bindings, on_stop=on_stop)
 
     run(f"agent:{args.name.partition('/')[2]}", main_async, args.log_level)
 

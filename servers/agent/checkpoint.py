@@ -55,6 +55,8 @@ def record_boundary(
     record.stop_reason = state.stop_reason  # type: ignore[assignment]
     record.resume_count, record.restart_count = state.resume_count, state.restart_count
     record.elapsed.CopyFrom(duration(state.elapsed_s))
+    if state.parked_s:
+        record.parked.CopyFrom(duration(state.parked_s))
     if not state.task.tools and len(record.tools) != len(state.tools):
         _replace(record.tools, state.tools)
     _append_tail(record.messages, state.messages)
@@ -79,9 +81,13 @@ def record_completion(record: EpisodeCheckpoint, state: EpisodeState, ttl_s: flo
     record.expires_at.FromNanoseconds(time.time_ns() + int(ttl_s * 1e9))
 
 
-def restore_state(state: EpisodeState, record: EpisodeCheckpoint) -> None:
-    """Put `state` (identity and task already set) back at the boundary `record` describes."""
-    check_running(record)
+def restore_state(state: EpisodeState, record: EpisodeCheckpoint, *, snapshot: bool = True) -> None:
+    """Put `state` (identity and task already set) back at the boundary `record` describes.
+
+    `snapshot=False`: the record need not hold a session snapshot (a coordinated checkpoint,
+    where the resources server restores the session itself).
+    """
+    check_running(record, snapshot=snapshot)
     state.phase = Phase(record.phase)
     state.step, state.next_tool_index = record.step, record.next_tool_index
     state.max_steps, state.text_turns = record.max_steps, record.text_turns
@@ -97,6 +103,7 @@ def restore_state(state: EpisodeState, record: EpisodeCheckpoint) -> None:
     state.verify = None
     state.resume_count, state.restart_count = record.resume_count, record.restart_count
     state.elapsed_s = seconds(record.elapsed)
+    state.parked_s = seconds(record.parked)
 
 
 def check_completed(record: EpisodeCheckpoint) -> None:
@@ -109,13 +116,15 @@ def check_completed(record: EpisodeCheckpoint) -> None:
         )
 
 
-def check_running(record: EpisodeCheckpoint) -> None:
+def check_running(record: EpisodeCheckpoint, *, snapshot: bool = True) -> None:
     """DATA_LOSS unless `record` is an in-progress record this code could have written."""
     label = record.episode_id.rollout_id
     problems = []
+    if record.schema_version != SCHEMA_VERSION:
+        problems.append(f"schema_version {record.schema_version} is not {SCHEMA_VERSION}")
     if record.phase not in _RUNNING:
         problems.append(f"phase {record.phase} is not a running phase")
-    if not record.HasField("resource_snapshot") or not record.resource_snapshot.format_name:
+    if snapshot and (not record.HasField("resource_snapshot") or not record.resource_snapshot.format_name):
         problems.append("it has no resources session snapshot")
     if not ROLLOUT_ID.fullmatch(record.session_id):
         problems.append(f"session_id {record.session_id[:140]!r} is invalid")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,13 @@ from gymrpc.pbtime import seconds
 from gymrpc.store import EpisodeStore
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as resources_pb
+from servers.agent.checkpoint import fingerprint
 from servers.agent.durable import DurableEpisodes, ResumeConfig
 from servers.agent.faults import CrashPlan
 from servers.agent.loop import EpisodeLoop
+from servers.agent.participant import AgentParticipant
 from servers.agent.state import EpisodeState, Phase
 
 MAX_TEXT_ID_LEN = 256
@@ -64,6 +67,7 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
     """Runs episodes against one resources server and one model, both given as stubs.
 
     `store` is required when `config.resume` is set; `crash` is fault injection for tests.
+    `participant` (coordinated checkpoints, not with durable resume) gates and parks episodes.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
         *,
         store: EpisodeStore | None = None,
         crash: CrashPlan | None = None,
+        participant: AgentParticipant | None = None,
     ) -> None:
         self.config = config
         self.loop = EpisodeLoop(
@@ -87,6 +92,9 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
         self._environment_lock = asyncio.Lock()
         self._running: set[tuple[str, int]] = set()
         self.durable: DurableEpisodes | None = None
+        self.participant = participant
+        if config.resume is not None and participant is not None:
+            raise ValueError("durable resume and coordinated checkpoints are exclusive; pick one")
         if config.resume is not None:
             if store is None:
                 raise ValueError("durable resume needs an episode store")
@@ -103,9 +111,14 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
                         trajectory = event.trajectory
             return agent_pb.RunResponse(trajectory=trajectory)
         with self._hold(state):
-            async with _deadline(state, timeout):
-                trajectory = await self.loop.run(state)
-        return agent_pb.RunResponse(trajectory=trajectory)
+            async with (
+                self._admitted(state),
+                _deadline(state, timeout) as scope,
+                contextlib.aclosing(self._steps(state, scope)) as steps,
+            ):
+                async for _ in steps:
+                    pass
+        return agent_pb.RunResponse(trajectory=state.trajectory())
 
     async def RunStream(
         self, request: agent_pb.RunStreamRequest, context: grpc.aio.ServicerContext
@@ -117,10 +130,25 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
                     yield event
             return
         with self._hold(state):
-            async with _deadline(state, timeout), contextlib.aclosing(self.loop.steps(state)) as steps:
+            async with (
+                self._admitted(state),
+                _deadline(state, timeout) as scope,
+                contextlib.aclosing(self._steps(state, scope)) as steps,
+            ):
                 async for message in steps:
                     yield agent_pb.RunStreamResponse(progress=state.progress(message))
         yield agent_pb.RunStreamResponse(trajectory=state.trajectory())
+
+    def _admitted(self, state: EpisodeState) -> contextlib.AbstractAsyncContextManager[None]:
+        """Coordinated checkpoints: wait for admission and pick up a restored boundary (else nothing)."""
+        if self.participant is None:
+            return contextlib.nullcontext()
+        return self.participant.admitted(state, fingerprint(state.task))
+
+    def _steps(self, state: EpisodeState, deadline: asyncio.Timeout) -> AsyncGenerator[common_pb2.Message | None, None]:
+        """The episode's boundaries; parked at each while a checkpoint is open (with a participant)."""
+        steps = self.loop.steps(state)
+        return steps if self.participant is None else self.participant.drive(state, steps, deadline)
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -162,6 +190,9 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
             async with self._environment_lock:
                 if self._environment is None:
                     self._environment = await self.loop.list_tools()
+                    if self.participant is not None:
+                        replay = self._environment.checkpoint_verify == resources_pb.CHECKPOINT_VERIFY_REPLAY
+                        self.participant.replay_verify = replay
         return self._environment
 
     @contextlib.contextmanager
@@ -183,12 +214,15 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
 
 
 @contextlib.asynccontextmanager
-async def _deadline(state: EpisodeState, seconds: float) -> AsyncIterator[None]:
-    """The episode's overall deadline as DEADLINE_EXCEEDED naming where the episode stood."""
+async def _deadline(state: EpisodeState, seconds: float) -> AsyncIterator[asyncio.Timeout]:
+    """The episode's overall deadline as DEADLINE_EXCEEDED naming where the episode stood.
+
+    Yields the scope, so time parked for a checkpoint can be added back (`AgentParticipant`).
+    """
     scope = asyncio.timeout(seconds)
     try:
         async with scope:
-            yield
+            yield scope
     except TimeoutError:
         if not scope.expired():
             raise

@@ -11,9 +11,10 @@ The production path (SPEC §10). The server renders and parses; this only feeds
 - continuation from prompt + partial (the `ModelBackend.continue_stream` default), exact
   under greedy decoding and cheap with the prefix cache;
 - `pause`/`resume` (`pause_generation(mode=...)`) where the engine has them;
-- weight versions: the engine's own version string (`update_weight_version`) is set to our
-  label at start, and each reply reports the version of the weights that sampled its last
-  token (`CompletionOutput.weight_versions`).
+- weight versions: each delta reports the version of the weights that sampled it
+  (`CompletionOutput.weight_versions`); the engine's unnamed "default" reads as our label
+  (`--weight-version`, else `vllm:<model dir>`), and `set_weight_version` renames the loaded
+  weights in the engine too (`update_weight_version`).
 
 Engine request ids are `<request_id>#<n>`: unique even when a cut generation is continued
 under the same request id, and never guessed (vLLM appends its own suffix internally and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
 import itertools
 import json
@@ -44,7 +46,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gymrpc.chat import ChatTokenizer
-from gymrpc.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gymrpc.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
 
 log = logging.getLogger(__name__)
@@ -79,8 +81,10 @@ class _Run:
     """One engine request behind a `stream` call."""
 
     engine_id: str
-    abort_requested: bool = False
     registered: bool = False
+    """An output arrived, so the engine knows the request and an abort reaches it."""
+    resend_abort: bool = False
+    """Aborted before `registered`: vLLM may have dropped it, so it is sent again."""
 
 
 def _is_cpu() -> bool:
@@ -95,7 +99,7 @@ async def _maybe_await(value: Any) -> Any:
 
 
 def engine_args(options: VllmOptions) -> Any:
-    """The `AsyncEngineArgs` for `options`, keeping only fields this vLLM release has."""
+    """The `AsyncEngineArgs` for `options`; a field this vLLM release lacks is an error, not a no-op."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
@@ -148,6 +152,7 @@ class VllmBackend(ModelBackend):
         self._defaults = self._model_defaults()
         self._reaper: subprocess.Popen[bytes] | None = None
         self._cached: OrderedDict[str, int] = OrderedDict()
+        self.shutdown_timeout = 2.0
 
     @classmethod
     def start(
@@ -230,8 +235,8 @@ class VllmBackend(ModelBackend):
                 if not run.registered:
                     run.registered = True
                     self._note_cached(request_id, getattr(output, "num_cached_tokens", None))
-                if run.abort_requested and not output.finished:
-                    # The first abort came before the engine knew the request: it was a no-op.
+                if run.resend_abort and not output.finished:
+                    run.resend_abort = False
                     await _maybe_await(self.engine.abort(run.engine_id))
                 completion = output.outputs[0]
                 ids = tuple(int(t) for t in completion.token_ids)
@@ -246,16 +251,22 @@ class VllmBackend(ModelBackend):
                 del self._runs[request_id]
 
     async def _guarded(self, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Engine errors as gymrpc errors: bad input is INVALID_ARGUMENT, a dead engine UNAVAILABLE."""
+        """Engine errors as gymrpc errors: a refused request is INVALID_ARGUMENT, a full queue
+        RESOURCE_EXHAUSTED, a retryable failure or a dead engine UNAVAILABLE."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        refused, busy, retryable = _engine_error_classes()
         try:
             async for output in outputs:
                 yield output
         except EngineDeadError as exc:
             self._engine_died(exc)
             raise Unavailable(f"the vLLM engine died: {exc}; the model server restarts") from None
-        except ValueError as exc:  # vLLM validates prompts and sampling with ValueError
+        except busy as exc:
+            raise ResourceExhausted(f"vLLM is saturated: {exc}", reason="ENGINE_BUSY") from None
+        except retryable as exc:
+            raise Unavailable(f"vLLM failed the request, retry it: {exc}") from None
+        except refused as exc:
             raise InvalidArgument(f"vLLM refused the request: {exc}", reason="ENGINE_REJECTED") from None
 
     def _engine_died(self, exc: BaseException) -> None:
@@ -283,7 +294,7 @@ class VllmBackend(ModelBackend):
         run = self._runs.get(request_id)
         if run is None:
             return False
-        run.abort_requested = True
+        run.resend_abort = not run.registered
         await _maybe_await(self.engine.abort(run.engine_id))
         return True
 
@@ -294,8 +305,8 @@ class VllmBackend(ModelBackend):
         return hasattr(self.engine, "pause_generation") and hasattr(self.engine, "resume_generation")
 
     async def pause(self, mode: PauseMode = "keep", *, clear_cache: bool = False) -> None:
-        """Stop scheduling: `keep` freezes in-flight requests, `abort` ends them with their partials
-        (as `abort` does), `wait` lets them finish first. Admission of new requests stays open."""
+        """Stop scheduling: `keep` freezes in-flight requests (they continue on `resume`, tokens
+        unchanged), `abort` ends them with their partials (as `abort` does), `wait` lets them finish."""
         if not self.supports_pause:
             raise FailedPrecondition("this vLLM release cannot pause generation")
         await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
@@ -320,7 +331,10 @@ class VllmBackend(ModelBackend):
         for run in list(self._runs.values()):
             if run.registered:
                 await _maybe_await(self.engine.abort(run.engine_id))
-        self.engine.shutdown()  # on the loop's thread: it cancels the engine's output task
+        # On the loop's thread: it cancels the engine's output task. vLLM's default waits 5 s for
+        # the engine core to exit before killing it (on 0.32 CPU it always needs the kill), which
+        # with the drain outlasts a launcher's stop grace; the engine holds nothing to save.
+        self.engine.shutdown(timeout=self.shutdown_timeout)
         if self._reaper is not None and self._reaper.stdin is not None:
             self._reaper.stdin.close()  # it kills whatever the shutdown left, then exits
 
@@ -329,6 +343,23 @@ class VllmBackend(ModelBackend):
         diff = getattr(config, "get_diff_sampling_param", None)
         defaults = diff() if diff is not None else {}
         return {k: v for k, v in defaults.items() if k in _MODEL_DEFAULTS}
+
+
+def _engine_error_classes() -> tuple[tuple[type[BaseException], ...], ...]:
+    """(refused, busy, retryable) exception classes of this vLLM release.
+
+    0.32 has `vllm.exceptions` (its validation errors are not ValueErrors); older releases
+    raise ValueError for bad input.
+    """
+    try:
+        from vllm import exceptions
+    except ImportError:
+        return (ValueError,), (), ()
+
+    def some(*names: str) -> tuple[type[BaseException], ...]:
+        return tuple(c for n in names if isinstance(c := getattr(exceptions, n, None), type))
+
+    return (ValueError, *some("VLLMClientError")), some("GracefulHTTPError"), some("RetryableRequestError")
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> tuple[float, ...] | None:
@@ -342,13 +373,14 @@ def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> tuple[float, .
     return tuple(out)
 
 
-def check_tokenizer(engine: Any, tokenizer: ChatTokenizer, *, sample: int = 4096) -> None:
+def check_tokenizer(engine: Any, tokenizer: ChatTokenizer, *, sample: int = 2048) -> None:
     """Refuse a model whose vocabulary is not the server's: its token ids would mean other text.
 
-    Compares decoding, the direction that matters (the server encodes, the engine only decodes
-    for stop strings): a probe round-trips, and every sampled id decodes to the same text.
-    Encoding may legitimately differ: transformers loads any `qwen2` directory with its
-    Qwen2Tokenizer, whose pre-tokenizer (digits split one by one, NFC) replaces the file's.
+    Compares decoding, the direction that matters (the server encodes; the engine only decodes,
+    for stop strings): a probe with the chat's special tokens must round-trip. Encoding may
+    legitimately differ: transformers loads any `qwen2` directory with its Qwen2Tokenizer, whose
+    pre-tokenizer (digits split one by one, NFC) replaces the file's. Sampled single ids are
+    compared too, but only warned about: some HF tokenizers tidy spaces when decoding (" ." -> ".").
     """
     vocab = engine.model_config.get_vocab_size()
     hint = "pass the model's own tokenizer.json with --tokenizer"
@@ -367,9 +399,13 @@ def check_tokenizer(engine: Any, tokenizer: ChatTokenizer, *, sample: int = 4096
     if decoded != probe:
         raise FailedPrecondition(f"the model decodes the server's tokens for {probe!r} as {decoded!r}; {hint}")
     step = max(1, tokenizer.vocab_size // sample)
-    for token in range(0, tokenizer.vocab_size, step):
-        if theirs.decode([token], skip_special_tokens=False) != tokenizer.decode([token]):
-            raise FailedPrecondition(f"token id {token} means different text to the model and the server; {hint}")
+    differ = [
+        token
+        for token in range(0, tokenizer.vocab_size, step)
+        if theirs.decode([token], skip_special_tokens=False) != tokenizer.decode([token])
+    ]
+    if differ:
+        log.warning("some token ids decode differently in the model's tokenizer", extra={"ids": str(differ[:20])})
 
 
 # -- engine processes die with the server ----------------------------------------------------------
@@ -477,6 +513,11 @@ def _engine_arg(text: str) -> tuple[str, Any]:
 
 
 def backend_from_arguments(args: argparse.Namespace, tokenizer: ChatTokenizer) -> VllmBackend:
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(
+            "--backend vllm needs vLLM in this Python: `pip install vllm` on a GPU host; on a CPU, "
+            "bash scripts/vllm-venv.sh and run with .venv-vllm/bin/python"
+        )
     options = VllmOptions(
         model=args.model_path,
         dtype=args.dtype,

@@ -1,0 +1,201 @@
+"""Coordinated checkpoints with many episodes in flight: Prepare latency, Commit and Restore wall time, bytes.
+
+Participants are real gRPC servers (`grpc.aio` on 127.0.0.1, token check and error mapping as
+`gymrpc up` serves them) running in this one process (`tests/control/deployment.py`): an agent-kind
+participant, models and counter resources servers. One process keeps the figures about the
+control plane itself (no scheduler noise from a dozen processes); the cost of a process hop is
+the same loopback gRPC call either way. Every episode in flight has a live resources session
+(exported snapshot), a model ledger row per delivered call, and agent state at a boundary.
+
+Measured, with `--episodes` in flight:
+- Prepare: each participant's `Prepare` RPC (p50, p99 over participants x rounds) and the whole
+  staged prepare as the controller runs it (environment, model, agent, resources), each round
+  followed by a resume;
+- Commit: the controller's commit of every episode (all participants at once, records then
+  manifest, fsync), wall time per round, into a fresh folder each round;
+- Restore: into freshly started participants, all or nothing, wall time; then resume;
+- bytes per episode: the records files' size (manifests' `size_bytes`) over the episodes, per kind.
+
+The reference (NeMo Gym, HTTP) reports prepare in 4-8 ms with 40-80 episodes in flight.
+
+    .venv/bin/python bench/control.py [--quick] [--episodes N] [--rounds R] [--resources K] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gymrpc.control import EpisodeKey  # noqa: E402
+from tests.control.deployment import Deployment, DirectClient  # noqa: E402
+
+REFERENCE = "reference (NeMo Gym): prepare 4-8 ms with 40-80 episodes in flight"
+
+
+class TimedClient(DirectClient):
+    """Records the latency of every `Prepare` RPC, per participant."""
+
+    def __init__(self, base: DirectClient) -> None:
+        super().__init__(base.nodes)
+        self.prepare_ms: dict[str, list[float]] = defaultdict(list)
+
+    def participant(self, name: str) -> Any:
+        stub = super().participant(name)
+        timings = self.prepare_ms[name]
+
+        class Timed:
+            def __getattr__(self, method: str) -> Any:
+                call = getattr(stub, method)
+                if method != "Prepare":
+                    return call
+
+                async def timed(request: Any, *, timeout: float | None = None) -> Any:
+                    started = time.perf_counter()
+                    try:
+                        return await call(request, timeout=timeout)
+                    finally:
+                        timings.append((time.perf_counter() - started) * 1000)
+
+                return timed
+
+        return Timed()
+
+
+def names(resources: int, models: int) -> list[str]:
+    return ["agent/a", *(f"model/m{i}" for i in range(models)), *(f"resources/r{i}" for i in range(resources))]
+
+
+async def load(deployment: Deployment, episodes: int, resources: int, models: int) -> list[EpisodeKey]:
+    """Put `episodes` in flight: a seeded session, one delivered model call, one tool call, agent state."""
+    keys = [EpisodeKey(f"e{i:05d}", 0) for i in range(episodes)]
+    agent = deployment.nodes["agent/a"].participant
+    gate = asyncio.Semaphore(64)
+
+    async def one(i: int, key: EpisodeKey) -> None:
+        async with gate:
+            res, model = f"resources/r{i % resources}", f"model/m{i % models}"
+            await deployment.seed(res, key)
+            await deployment.generate(model, key, 0)
+            await deployment.increment(res, key, "call-0")
+            agent.track(key)
+
+    await asyncio.gather(*(one(i, k) for i, k in enumerate(keys)))
+    return keys
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    participants = names(args.resources, args.models)
+    deployment = await Deployment.start(participants)
+    timed = TimedClient(deployment.client)
+    deployment.client = timed
+    deployment.controller.client = timed  # type: ignore[assignment]
+    root = Path(tempfile.mkdtemp(prefix="gymrpc-bench-control-"))
+    try:
+        started = time.perf_counter()
+        keys = await load(deployment, args.episodes, args.resources, args.models)
+        load_s = time.perf_counter() - started
+        for warm in range(2):
+            await deployment.controller.prepare(f"warm-{warm}", timeout=30)
+            await deployment.controller.resume(f"warm-{warm}")
+        timed.prepare_ms.clear()
+        staged_ms, commit_ms = [], []
+        manifests: dict[str, Any] = {}
+        for round_ in range(args.rounds):
+            checkpoint_id = f"c{round_}"
+            started = time.perf_counter()
+            result = await deployment.controller.prepare(checkpoint_id, timeout=30)
+            staged_ms.append((time.perf_counter() - started) * 1000)
+            assert result.prepared, result.blockers()
+            if round_ < args.commits:
+                started = time.perf_counter()
+                manifests = await deployment.controller.commit(checkpoint_id, root / checkpoint_id, keys, timeout=120)
+                commit_ms.append((time.perf_counter() - started) * 1000)
+            await deployment.controller.resume(checkpoint_id)
+        per_rpc = [ms for values in timed.prepare_ms.values() for ms in values]
+        bytes_by_kind: dict[str, int] = defaultdict(int)
+        for name, manifest in manifests.items():
+            bytes_by_kind[name.partition("/")[0]] += manifest.size_bytes
+        fresh = await Deployment.start(participants)
+        try:
+            started = time.perf_counter()
+            restored = await fresh.controller.restore("restore-1", root / "c0", keys, timeout=300)
+            restore_ms = (time.perf_counter() - started) * 1000
+            await fresh.controller.resume("restore-1")
+            assert len(restored["agent/a"].restored) == len(keys)
+        finally:
+            await fresh.close()
+        total_bytes = sum(bytes_by_kind.values())
+        return {
+            "episodes": args.episodes,
+            "participants": len(participants),
+            "rounds": args.rounds,
+            "load_s": round(load_s, 2),
+            "prepare_rpc_ms": {"p50": pct(per_rpc, 50), "p99": pct(per_rpc, 99), "n": len(per_rpc)},
+            "prepare_staged_ms": {"p50": pct(staged_ms, 50), "p99": pct(staged_ms, 99), "n": len(staged_ms)},
+            "commit_ms": {"median": statistics.median(commit_ms), "max": max(commit_ms), "n": len(commit_ms)},
+            "restore_ms": restore_ms,
+            "bytes_per_episode": total_bytes / args.episodes,
+            "bytes_per_episode_by_kind": {k: v / args.episodes for k, v in sorted(bytes_by_kind.items())},
+        }
+    finally:
+        await deployment.close()
+        gc.collect()  # stopped grpc.aio servers are collected while their loop still runs
+
+
+def report(r: dict[str, Any]) -> str:
+    rpc, staged, commit = r["prepare_rpc_ms"], r["prepare_staged_ms"], r["commit_ms"]
+    kinds = ", ".join(f"{k} {v:.0f}" for k, v in r["bytes_per_episode_by_kind"].items())
+    return "\n".join(
+        [
+            f"{r['episodes']} episodes in flight across {r['participants']} participants "
+            f"(in-process gRPC servers; loaded in {r['load_s']} s), {r['rounds']} rounds",
+            f"prepare, per participant RPC: p50 {rpc['p50']:.2f} ms, p99 {rpc['p99']:.2f} ms ({rpc['n']} calls)",
+            f"prepare, whole staged prepare:  p50 {staged['p50']:.2f} ms, p99 {staged['p99']:.2f} ms",
+            f"commit (all participants, fsync): median {commit['median']:.1f} ms, max {commit['max']:.1f} ms "
+            f"({commit['n']} commits)",
+            f"restore into fresh participants: {r['restore_ms']:.1f} ms",
+            f"bytes per episode: {r['bytes_per_episode']:.0f} ({kinds})",
+            REFERENCE,
+        ]
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="100 episodes, 5 rounds (a smoke run)")
+    parser.add_argument("--episodes", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=30, help="prepare/resume rounds")
+    parser.add_argument("--commits", type=int, default=5, help="rounds that also commit")
+    parser.add_argument("--resources", type=int, default=4, help="resources servers")
+    parser.add_argument("--models", type=int, default=2, help="model servers")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    if args.quick:
+        args.episodes, args.rounds, args.commits = 100, 5, 2
+    args.commits = max(1, min(args.commits, args.rounds))
+    result = asyncio.run(bench(args))
+    print(report(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
