@@ -27,5 +27,7 @@ buf format -d --exit-code
 buf breaking --against protos/baseline.binpb
 step "generated code is up to date"
 python tools/gen_protos.py --check
+step "protocol docs are up to date"
+python tools/gen_docs.py --check
 step "pytest"
 python -m pytest "${MARK[@]}" "${PYTEST_ARGS[@]}"

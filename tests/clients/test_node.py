@@ -1,0 +1,138 @@
+"""The Node controller (clients/node): stubs current, and its tests against real Python stacks.
+
+Node dependencies come from the committed lockfile (`npm ci`, re-run only when the lockfile
+changed). The generated stubs are committed and compared with a fresh `buf generate`.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE_PROJECT = ROOT / "clients" / "node"
+BUF = Path(sys.executable).parent / "buf"
+STAMP = NODE_PROJECT / "node_modules" / ".gymrpc-lockfile-sha256"
+# The model emits a token every 50 ms, so a model call is still running when the checkpoint comes.
+PARTICIPANTS_STACK = {
+    "servers": [
+        {"name": "resources/counter", "role": "resources", "args": {"environment": "counter"}},
+        {"name": "model/policy", "role": "model", "args": {"policy": "counter", "token_delay": 0.05}},
+    ]
+}
+AGENT_STACK = {
+    "servers": [
+        *PARTICIPANTS_STACK["servers"],
+        {"name": "agent/counter", "role": "agent", "args": {"resources": "resources/counter", "model": "model/policy"}},
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def node_project() -> Path:
+    """clients/node with its dependencies installed from the lockfile."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are not installed (CI has Node 20); the Node controller is not tested")
+    lock = hashlib.sha256((NODE_PROJECT / "package-lock.json").read_bytes()).hexdigest()
+    if not STAMP.exists() or STAMP.read_text() != lock:
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_PROJECT, check=True, capture_output=True, timeout=600
+        )
+        STAMP.write_text(lock)
+    return NODE_PROJECT
+
+
+def node_test(project: Path, *test_files: str, **env: str) -> dict[str, int]:
+    """Run Node test files; fail on any failure; return the TAP counts (pass, skipped, ...)."""
+    proc = subprocess.run(
+        ["node", "--test", "--test-reporter=tap", *test_files],
+        cwd=project,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, f"node --test {' '.join(test_files)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return {key: int(value) for key, value in re.findall(r"^# (\w+) (\d+)$", proc.stdout, re.MULTILINE)}
+
+
+def test_committed_stubs_match_a_fresh_buf_generate(node_project: Path, tmp_path: Path) -> None:
+    subprocess.run(
+        [str(BUF), "generate", "--template", "buf.gen.yaml", "--output", str(tmp_path)],
+        cwd=node_project,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    fresh, committed = tmp_path / "gen", node_project / "gen"
+    stale = _differences(fresh, committed)
+    assert stale == [], f"clients/node/gen is stale ({', '.join(stale)}): run `npm run generate` in clients/node"
+
+
+def _differences(a: Path, b: Path) -> list[str]:
+    files = {p.relative_to(a) for p in a.rglob("*") if p.is_file()} | {
+        p.relative_to(b) for p in b.rglob("*") if p.is_file()
+    }
+    return sorted(
+        str(f) for f in files if not (a / f).exists() or not (b / f).exists() or not filecmp.cmp(a / f, b / f, False)
+    )
+
+
+def test_unit_tests(node_project: Path) -> None:
+    counts = node_test(node_project, "test/unit.test.js", "test/controller.test.js")
+    assert counts["skipped"] == 0
+    assert counts["pass"] >= 10
+
+
+def test_names_episodes_and_a_killed_agent_against_a_python_stack(node_project: Path, start_stack) -> None:
+    stack = start_stack()
+    counts = node_test(node_project, "test/stack.test.js", GYMRPC_RUN_DIR=str(stack.run_dir))
+    assert counts["skipped"] == 0
+    assert counts["pass"] == 4
+
+
+def checkpoint_scenario(
+    project: Path, start_stack: Callable[..., Any], first: Any, config: dict, test_file: str, scenario_dir: Path
+) -> None:
+    """Phase 1 on the `first` stack (it ends by SIGKILLing it), phase 2 on a fresh one of `config`."""
+    env = {"GYMRPC_NODE_SCENARIO_DIR": str(scenario_dir)}
+    counts = node_test(project, test_file, GYMRPC_RUN_DIR=str(first.run_dir), GYMRPC_NODE_PHASE="checkpoint", **env)
+    assert counts["pass"] == 1
+    assert first.process.wait(timeout=10) == -9  # the Node test SIGKILLed the whole stack
+
+    fresh = start_stack(config)  # new processes, same run folder
+    counts = node_test(project, test_file, GYMRPC_RUN_DIR=str(fresh.run_dir), GYMRPC_NODE_PHASE="restore", **env)
+    assert counts["pass"] == 1
+
+
+@pytest.mark.slow
+def test_checkpoint_sigkill_restore_and_the_episode_continues(node_project: Path, start_stack, tmp_path: Path) -> None:
+    """The episode is driven by a stand-in agent in Node, over the resources and model participants."""
+    first = start_stack(PARTICIPANTS_STACK)
+    checkpoint_scenario(node_project, start_stack, first, PARTICIPANTS_STACK, "test/checkpoint.test.js", tmp_path)
+
+
+@pytest.mark.slow
+def test_checkpoint_through_the_agent(node_project: Path, start_stack, tmp_path: Path) -> None:
+    """The same scenario through AgentService: the agent parks, is checkpointed and continues the episode."""
+    first = start_stack(AGENT_STACK)
+    services = subprocess.run(
+        [sys.executable, "-m", "gymrpc.cli", "call", "--run-dir", str(first.run_dir), "agent/counter", "list"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    if "gymrpc.v1.ParticipantService" not in services:
+        pytest.skip("the agent server does not serve ParticipantService yet (issue 5)")
+    checkpoint_scenario(node_project, start_stack, first, AGENT_STACK, "test/agent-checkpoint.test.js", tmp_path)
