@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=(*KILLABLE, "none"),
         help="server to SIGKILL a third of the way through (default %(default)s)",
     )
+    model = parser.add_argument_group("a real model instead of the scripted policy (needs vLLM; see README)")
+    model.add_argument("--model-path", help="serve model/policy with vLLM from this HF model directory")
+    model.add_argument("--dtype", help="bfloat16 on a GPU, float32 on a CPU (default: vLLM's auto)")
+    model.add_argument("--tensor-parallel-size", type=int, help="GPUs for the model")
+    model.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    model.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,13 +127,18 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
     import envs.counter
     from gymrpc.client import Client
     from gymrpc.launch.local import LocalLauncher
-    from gymrpc.launch.spec import load_stack_spec
+    from gymrpc.launch.spec import load_stack_spec, with_vllm_model
     from gymrpc.rollouts import EpisodeResult, Progress, ResultWriter, Summary, collect, load_tasks
 
     say(f"gymrpc demo: run folder {_short(run_dir)}")
-    launcher = LocalLauncher(load_stack_spec(None), run_dir)
+    spec = load_stack_spec(None)
+    if args.model_path:
+        engine = {k: getattr(args, k) for k in ("dtype", "tensor_parallel_size", "max_model_len", "kv_cache_gib")}
+        spec = with_vllm_model(spec, args.model_path, **engine)
+    launcher = LocalLauncher(spec, run_dir)
     started = time.perf_counter()
-    say("starting the embedded default stack ...")
+    model = f"vLLM serving {args.model_path}" if args.model_path else "the scripted policy"
+    say(f"starting the embedded default stack ({model}) ...")
     try:
         await launcher.start()
         say(f"{len(launcher.server_states())} servers serving in {time.perf_counter() - started:.1f} s:")

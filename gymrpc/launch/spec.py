@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,25 @@ servers:
   - {name: agent/counter, role: agent, args: {resources: resources/counter, model: model/policy}}
   - {name: agent/blackjack, role: agent, args: {resources: resources/blackjack, model: model/policy}}
 """
+
+
+def with_vllm_model(
+    spec: StackSpec, model_path: str, *, name: str = "model/policy", start_timeout: float = 900.0, **engine: Any
+) -> StackSpec:
+    """`spec` with server `name` served by vLLM from `model_path` (`python -m servers.model --backend vllm`).
+
+    `engine` adds model-server flags (`dtype`, `tensor_parallel_size`, `max_model_len`,
+    `kv_cache_gib`; None drops one). The start timeout covers loading the weights; the agents'
+    call timeout (300 s) already covers a restarted engine.
+    """
+    args = {"backend": "vllm", "model_path": model_path, **{k: v for k, v in engine.items() if v is not None}}
+    if not any(s.name == name for s in spec.servers):
+        raise ValueError(f"the stack has no server {name!r} to serve with vLLM")
+    servers = tuple(
+        dataclasses.replace(s, args=args, start_timeout=max(s.start_timeout, start_timeout)) if s.name == name else s
+        for s in spec.servers
+    )
+    return dataclasses.replace(spec, servers=servers)
 
 
 def _fail(where: str, message: str) -> ValueError:
