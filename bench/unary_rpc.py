@@ -283,32 +283,14 @@ class Clients:
             (await self.httpx_async.post("/v1/seed_session", json=body)).raise_for_status()
 
     def aio_stub_call(self, session_id: str) -> AsyncCall:
-        ids, call = itertools.count(), self.aio_stub.CallTool
-
-        async def run() -> None:
-            reply = await call(grpc_request(session_id, ids))
-            _check(reply.is_error, reply.output)
-
-        return run
+        return _grpc_call(self.aio_stub.CallTool, session_id)
 
     def variant_call(self, session_id: str) -> AsyncCall:
         assert self.variant_stub is not None
-        ids, call = itertools.count(), self.variant_stub.CallTool
-
-        async def run() -> None:
-            reply = await call(grpc_request(session_id, ids))
-            _check(reply.is_error, reply.output)
-
-        return run
+        return _grpc_call(self.variant_stub.CallTool, session_id)
 
     def named_call(self, session_id: str) -> AsyncCall:
-        ids, call = itertools.count(), self.named.CallTool
-
-        async def run() -> None:
-            reply = await call(grpc_request(session_id, ids))
-            _check(reply.is_error, reply.output)
-
-        return run
+        return _grpc_call(self.named.CallTool, session_id)
 
     def sync_stub_call(self, session_id: str) -> SyncCall:
         ids, call = itertools.count(), self.sync_stub.CallTool
@@ -669,6 +651,17 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _make_clients(stack: Stack, folder: Path) -> Clients:
     return Clients(stack, folder)
+
+
+def _grpc_call(call: Any, session_id: str) -> AsyncCall:
+    """One timed CallTool on `call` (any async stub method), with a fresh call id each time."""
+    ids = itertools.count()
+
+    async def run() -> None:
+        reply = await call(grpc_request(session_id, ids))
+        _check(reply.is_error, reply.output)
+
+    return run
 
 
 if __name__ == "__main__":

@@ -137,10 +137,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not state or not _alive(state["launcher_pid"]) or state["state"] == "stopped":
         print(f"no running stack in {run_dir}")
         return 3
-    from gymrpc.launch.local import _health_serving
+    from gymrpc.launch.local import health_serving
 
     async def probe() -> dict[str, str]:
-        checks = {s["name"]: _health_serving(s["address"]) for s in state["servers"] if s["address"]}
+        checks = {s["name"]: health_serving(s["address"]) for s in state["servers"] if s["address"]}
         results = await asyncio.gather(*checks.values())
         return {name: "SERVING" if ok else "DOWN" for name, ok in zip(checks, results, strict=True)}
 

@@ -265,12 +265,12 @@ def _env_line(env: str, s: Summary) -> str:
 
 async def _status_table(run_dir: Path) -> str:
     from gymrpc.cli import _format_table, _read_state
-    from gymrpc.launch.local import _health_serving
+    from gymrpc.launch.local import health_serving
 
     state = _read_state(run_dir)
     assert state is not None
     servers = [s for s in state["servers"] if s["address"]]
-    checks = await asyncio.gather(*(_health_serving(s["address"]) for s in servers))
+    checks = await asyncio.gather(*(health_serving(s["address"]) for s in servers))
     health = {s["name"]: "SERVING" if ok else "DOWN" for s, ok in zip(servers, checks, strict=True)}
     return "\n".join(_format_table(run_dir, state, health).splitlines()[1:])
 

@@ -150,7 +150,7 @@ class ServerProcess:
             if proc.returncode is not None:
                 raise StartError(f"{self.label} exited with code {proc.returncode} while starting:\n{self.tail()}")
             address = address or await self._registered_address(proc.pid)
-            if address and await _health_serving(address):
+            if address and await health_serving(address):
                 self.state.address = address
                 return
             await asyncio.sleep(0.05)
@@ -385,7 +385,7 @@ async def _check_dirs(spec: ServerSpec) -> None:
             raise StartError(f"{spec.name}: {exc}") from None
 
 
-async def _health_serving(address: str, timeout: float = 1.0) -> bool:
+async def health_serving(address: str, timeout: float = 1.0) -> bool:
     channel = insecure_channel(address, service_channel_options())
     try:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
