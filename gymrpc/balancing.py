@@ -119,6 +119,24 @@ class Balancer:
         """Every address some name currently maps to (their channels stay open)."""
         return {a for r in self._names.values() for a in r.addresses.values()}
 
+    def address_of(self, name: str, endpoint_id: str) -> str | None:
+        """The address of one replica (a control call to every replica in turn), None if not listed."""
+        replicas = self._names.get(name)
+        return None if replicas is None else replicas.addresses.get(endpoint_id)
+
+    def forget(self, name: str) -> None:
+        """Drop every remembered placement and down mark of `name`.
+
+        After a restore onto the replicas now registered, each restored session lives on the
+        replica `place` gives it among them: new calls must be placed afresh, not sent where the
+        session was before the crash, and no replica may be skipped because it failed back then.
+        """
+        for key in [k for k in self._sticky if k[0] == name]:
+            del self._sticky[key]
+        replicas = self._names.get(name)
+        if replicas is not None:
+            replicas.down.clear()
+
     # -- choosing ----------------------------------------------------------------------------
 
     def pick(self, name: str, key: str | None) -> str:
@@ -198,8 +216,10 @@ class Balancer:
 def place(key: str, endpoint_ids: Iterable[str]) -> str:
     """The replica a new session `key` goes to among `endpoint_ids`, as every client computes it.
 
-    A restore onto a different number of replicas can give each restored session to `place(key,
-    new ids)`: clients then route the session's calls to the replica that holds it, untold.
+    A restore onto a different number of replicas gives each restored record to `place(key, new
+    ids)` (`gymrpc.control.plane.Placement`): clients then route the session's calls to the
+    replica that holds it, untold. The ids compare by their 8-byte BLAKE2b digest of
+    `key NUL endpoint_id` (`RestoreRequest.endpoint_ids` states it for other languages).
     """
     return max(endpoint_ids, key=lambda i: _weight(key, i))
 

@@ -25,7 +25,7 @@ from gymrpc import auth, rundir
 from gymrpc.balancing import Balancer, affinity_key
 from gymrpc.channels import insecure_channel, service_channel_options
 from gymrpc.errors import DeadlineExceeded, GymrpcError, NotFound, Unavailable, from_rpc_error
-from gymrpc.ids import check_id, check_service_name
+from gymrpc.ids import check_endpoint_id, check_id, check_service_name
 from gymrpc.registry import RegistryClient
 from gymrpc.retry import RetryPolicy
 from gymrpc.v1 import (
@@ -127,13 +127,23 @@ class Client:
 
     # -- typed entry points ---------------------------------------------------------------
 
-    def stub(self, name: str, stub_class: Callable[[grpc.aio.Channel], StubT], service: ServiceDescriptor) -> StubT:
+    def stub(
+        self,
+        name: str,
+        stub_class: Callable[[grpc.aio.Channel], StubT],
+        service: ServiceDescriptor,
+        *,
+        endpoint_id: str | None = None,
+    ) -> StubT:
         """A stub for `service` at the stable `name`; its methods resolve and retry by themselves.
 
+        `endpoint_id` pins every call to that replica of the name (None: the balancer chooses).
         The return value is typed as the generated stub class, so calls are type-checked.
         """
         check_service_name(name)
-        return NamedStub(self, name, stub_class, service)  # type: ignore[return-value]
+        if endpoint_id is not None:
+            check_endpoint_id(endpoint_id)
+        return NamedStub(self, name, stub_class, service, endpoint_id)  # type: ignore[return-value]
 
     def agent(self, name: str = "agent/simple") -> agent_service_pb2_grpc.AgentServiceStub:
         return self.stub(
@@ -156,11 +166,15 @@ class Client:
             model_service_pb2.DESCRIPTOR.services_by_name["ModelService"],
         )
 
-    def participant(self, name: str) -> participant_service_pb2_grpc.ParticipantServiceStub:
+    def participant(
+        self, name: str, endpoint_id: str | None = None
+    ) -> participant_service_pb2_grpc.ParticipantServiceStub:
+        """Control calls to `name`; with `endpoint_id`, to that replica (a controller addresses each)."""
         return self.stub(
             name,
             participant_service_pb2_grpc.ParticipantServiceStub,
             participant_service_pb2.DESCRIPTOR.services_by_name["ParticipantService"],
+            endpoint_id=endpoint_id,
         )
 
     async def run(
@@ -198,7 +212,10 @@ class Client:
             task=task, episode_id=episode_id, policy_version=policy_version, options=options
         )
         stub: Any = self.agent(agent)
+        moved = self.balancer.failovers(agent, episode_id.rollout_id)
         reply = await stub.Run(request, timeout=RUN_TIMEOUT if timeout is None else timeout)
+        # The agent counted its own calls' moves; the moves of `Run` itself only this client saw.
+        reply.trajectory.failovers += self.balancer.failovers(agent, episode_id.rollout_id) - moved
         return reply.trajectory
 
     # -- resolution ----------------------------------------------------------------------
@@ -230,6 +247,15 @@ class Client:
                 del self._resolving[name]
         return await asyncio.shield(pending)
 
+    async def refresh(self, name: str) -> None:
+        """Forget where `name`'s sessions were placed and resolve its replicas again.
+
+        For after a restore onto the replicas now registered: restored sessions live where
+        `gymrpc.balancing.place` puts them among those, which is where new calls then go.
+        """
+        self.balancer.forget(name)
+        await self.resolve(name, fresh=True)
+
     def stub_at(self, address: str, stub_class: Callable[[grpc.aio.Channel], StubT]) -> StubT:
         """A generated stub on the shared channel to `address`."""
         key = (address, stub_class)
@@ -254,12 +280,14 @@ class Client:
             task.add_done_callback(self._closing.discard)
 
     async def _attempts(
-        self, name: str, method: str, timeout: float | None, key: str | None = None
+        self, name: str, method: str, timeout: float | None, key: str | None = None, endpoint_id: str | None = None
     ) -> AsyncIterator[tuple[str, float]]:
         """Yield (address, seconds left) per attempt, sleeping and re-resolving in between.
 
         `key` is the call's session (`gymrpc.balancing.affinity_key`): with replicas it picks the
         one that holds the session, and a replica that failed with UNAVAILABLE is avoided next.
+        `endpoint_id` pins the call to one replica instead, waited for while it is not registered
+        (restarting); its failures mark nothing down, as no session chose it.
 
         The caller reports a retryable failure by continuing the loop; anything else ends it.
         """
@@ -276,9 +304,12 @@ class Client:
                     metadata={"name": name, "method": method, "attempts": str(attempt)},
                 )
             try:
-                if attempt > 0 or name not in self._addresses:
-                    await asyncio.wait_for(self.resolve(name, fresh=attempt > 0), timeout=left)
-                address = self.balancer.pick(name, key)
+                if attempt > 0 or last or name not in self._addresses:
+                    await asyncio.wait_for(self.resolve(name, fresh=attempt > 0 or bool(last)), timeout=left)
+                if endpoint_id is None:
+                    address: str | None = self.balancer.pick(name, key)
+                else:
+                    address = self.balancer.address_of(name, endpoint_id)
             except NotFound as exc:
                 if exc.reason == "NOT_FOUND" and name not in self._known:
                     raise  # never registered: a wrong name, not a restart; waiting would not help
@@ -288,9 +319,13 @@ class Client:
             except TimeoutError:
                 continue
             else:
+                if address is None:
+                    last = f"replica {endpoint_id} of {name!r} is not registered (restarting?)"
+                    await asyncio.sleep(min(next(delays), max(deadline - loop.time(), 0)))
+                    continue
                 attempt += 1
                 failure = yield address, deadline - loop.time()
-                if isinstance(failure, Unavailable):
+                if isinstance(failure, Unavailable) and endpoint_id is None:
                     self.balancer.failed(name, address)
                 last = str(failure)
             await asyncio.sleep(min(next(delays), max(deadline - loop.time(), 0)))
@@ -305,8 +340,10 @@ class NamedStub:
         name: str,
         stub_class: Callable[[grpc.aio.Channel], Any],
         service: ServiceDescriptor,
+        endpoint_id: str | None = None,
     ) -> None:
         self._client, self._name, self._stub_class = client, name, stub_class
+        self._endpoint_id = endpoint_id
         # The token goes only where it is checked: data-plane servers never see it.
         self._metadata = client._metadata if service.full_name in CONTROL_SERVICES else ()
         for method in service.methods:
@@ -323,7 +360,7 @@ class NamedStub:
         client, name, retryable = self._client, self._name, self._retryable(method)
 
         async def call(request: Any, *, timeout: float | None = None) -> Any:
-            attempts = client._attempts(name, method.full_name, timeout, affinity_key(request))
+            attempts = client._attempts(name, method.full_name, timeout, affinity_key(request), self._endpoint_id)
             try:
                 address, left = await anext(attempts)
                 while True:
@@ -346,7 +383,7 @@ class NamedStub:
 
         async def call(request: Any, *, timeout: float | None = None) -> AsyncIterator[Any]:
             # Retried only until the first message arrives; after that a failure is the caller's.
-            attempts = client._attempts(name, method.full_name, timeout, affinity_key(request))
+            attempts = client._attempts(name, method.full_name, timeout, affinity_key(request), self._endpoint_id)
             address, left = await anext(attempts)
             while True:
                 stream = self._method(address, method)(request, timeout=left, metadata=self._metadata)

@@ -7,8 +7,12 @@
         await controller.restore("restore-1", result.checkpoint_dir, result.continued)  # fresh stack
         await controller.resume("restore-1")
 
-Participants are found by name: every endpoint the registry lists is asked `GetStatus`;
-UNIMPLEMENTED means "not a participant". Orders (`gymrpc.control.types`): prepare stage by
+Participants are found through the registry: every endpoint it lists (every replica of every
+name) is asked `GetStatus`; UNIMPLEMENTED means "not a participant". Each replica is a member of
+its own, addressed directly (`Client.participant(name, endpoint_id)`), and writes its own folder
+of the checkpoint. A restore reads every replica's records of a name and each new replica
+installs those placed on it (`gymrpc.balancing.place` over the replicas registered now), so a
+checkpoint restores onto any number of replicas. Orders (`gymrpc.control.types`): prepare stage by
 stage (environment, model, agent, resources) and stop at the first stage not prepared by
 the deadline; commit and restore all at once; resume in reverse, past failures (a
 participant that cannot be reached aborts by itself when its lease runs out); retire and
@@ -20,28 +24,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from gymrpc.client import Client
+from gymrpc.control import store
 from gymrpc.control.types import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind
 from gymrpc.errors import GymrpcError, Unimplemented
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import participant_service_pb2 as pb
 
+log = logging.getLogger(__name__)
 RPC_SLACK = 5.0
 """Seconds an RPC may outlive its deadline: a participant replies *at* the deadline (e.g. PREPARING)."""
 CLEANUP_SECONDS = 30.0
 
 
 class CoordinationError(Exception):
-    """One control operation failed on some participants; `failures` maps name to error."""
+    """One control operation failed on some participants; `failures` maps member label to error."""
 
     def __init__(self, operation: str, failures: dict[str, GymrpcError]) -> None:
         self.operation, self.failures = operation, failures
@@ -49,17 +56,59 @@ class CoordinationError(Exception):
         super().__init__(f"{operation} failed on {len(failures)} participant(s): {detail}")
 
 
+def _label(name: str, endpoint_id: str | None, replicas: int) -> str:
+    return name if endpoint_id is None or replicas == 1 else f"{name}#{endpoint_id}"
+
+
+def _id_order(endpoint_id: str | None) -> tuple[int, int, str]:
+    """Endpoint ids in numeric order (`2` before `10`), others after them."""
+    if endpoint_id is None:
+        return (0, 0, "")
+    return (0, int(endpoint_id), "") if endpoint_id.isdigit() else (1, 0, endpoint_id)
+
+
+class _Labelled(Protocol):
+    @property
+    def label(self) -> str: ...
+
+
+T = TypeVar("T", bound=_Labelled)
+
+
+class _Endpoint(NamedTuple):
+    """A registered replica, before `GetStatus` says whether (and what) participant it is."""
+
+    name: str
+    endpoint_id: str | None
+    replicas: int
+
+    @property
+    def label(self) -> str:
+        return _label(self.name, self.endpoint_id, self.replicas)
+
+
 @dataclass(frozen=True)
 class Member:
+    """One participant: a replica of a name, addressed directly by its endpoint id."""
+
     name: str
     kind: Kind
+    endpoint_id: str | None = None
+    """Replica id behind `name`; None: the name itself (a client without a registry, as test doubles)."""
+    replicas: int = 1
+    """Replicas of `name` discovered; with more than one, labels tell them apart."""
+
+    @property
+    def label(self) -> str:
+        """Key of this member in every reply map: `name`, or `name#endpoint_id` when the name has replicas."""
+        return _label(self.name, self.endpoint_id, self.replicas)
 
 
 @dataclass
 class PrepareResult:
     prepared: bool
     replies: dict[str, pb.PrepareResponse]
-    """Replies of the stages reached, by participant name."""
+    """Replies of the stages reached, by member label (`Member.label`)."""
 
     def blockers(self) -> dict[str, list[EpisodeKey]]:
         return {n: [EpisodeKey.of(e) for e in r.report.blockers] for n, r in self.replies.items() if r.report.blockers}
@@ -86,6 +135,13 @@ class CheckpointResult:
     def committed(self) -> bool:
         return bool(self.manifests)
 
+    def sources(self) -> dict[str, list[str]]:
+        """Name -> endpoint ids of the replicas that committed: `Controller.restore(sources=...)`."""
+        out: dict[str, set[str]] = {}
+        for manifest in self.manifests.values():
+            out.setdefault(manifest.name, set()).add(manifest.endpoint_id or "0")
+        return {name: sorted(ids, key=_id_order) for name, ids in sorted(out.items())}
+
 
 def new_checkpoint_id(prefix: str = "ckpt") -> str:
     return f"{prefix}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
@@ -98,6 +154,15 @@ def _absolute(path: str | Path) -> str:
 
 def _ids(episodes: Iterable[EpisodeKey]) -> list[common_pb2.EpisodeId]:
     return [e.to_pb() for e in episodes]
+
+
+def _committed_replicas(root: Path, members: Sequence[Member]) -> dict[str, list[str]]:
+    """Name -> endpoint ids of its replica folders holding a manifest under `root` (blocking)."""
+    out: dict[str, list[str]] = {}
+    for kind, name in sorted({(m.kind, m.name) for m in members if m.endpoint_id is not None}):
+        if found := store.replica_ids(root, kind, name):
+            out[name] = sorted(found, key=_id_order)
+    return out
 
 
 class Controller:
@@ -118,46 +183,67 @@ class Controller:
     # -- discovery ---------------------------------------------------------------------------
 
     async def discover(self, timeout: float = 10.0) -> list[Member]:
-        """(Re)discover participants, sorted by prepare order then name."""
-        names = self._names
-        if names is None:
-            names = sorted({e.name for e in await self.client.registry.list(self._prefix)})
+        """(Re)discover participants, every replica of each name; sorted by prepare order, name, replica."""
+        found = await self._endpoints()
         replies = await self._fan(
             "discover",
-            names,
-            lambda n: self._stub(n).GetStatus(pb.GetStatusRequest(), timeout=timeout),
+            found,
+            lambda t: self._stub(t).GetStatus(pb.GetStatusRequest(), timeout=timeout),
             skip=(Unimplemented,),
         )
-        members = [Member(n, Kind(r.kind)) for n, r in replies.items() if r.kind in set(Kind)]
-        self.members = sorted(members, key=lambda m: (PREPARE_ORDER.index(m.kind), m.name))
+        kinds = set(Kind)
+        members = [
+            Member(t.name, Kind(reply.kind), t.endpoint_id, t.replicas)
+            for t in found
+            if (reply := replies.get(t.label)) is not None and reply.kind in kinds
+        ]
+        self.members = sorted(members, key=lambda m: (PREPARE_ORDER.index(m.kind), m.name, _id_order(m.endpoint_id)))
         return self.members
+
+    async def _endpoints(self) -> list[_Endpoint]:
+        """Every registered replica of the participant names (or of `names`), from the registry."""
+        registry = getattr(self.client, "registry", None)
+        if registry is None:  # a client that only addresses names (an in-process test double)
+            return [_Endpoint(n, None, 1) for n in self._names or ()]
+        if self._names is None:
+            listed = await registry.list(self._prefix)
+        else:
+            names = [_Endpoint(n, None, 1) for n in self._names]
+            resolved = await self._fan("discover", names, lambda t: registry.resolve(t.name))
+            listed = [e for t in names for e in resolved[t.label]]
+        ids: dict[str, set[str]] = {}
+        for endpoint in listed:
+            ids.setdefault(endpoint.name, set()).add(endpoint.endpoint_id)
+        return [_Endpoint(n, i, len(ids[n])) for n in sorted(ids) for i in sorted(ids[n], key=_id_order)]
 
     async def _members(self) -> list[Member]:
         return self.members or await self.discover()
 
-    def _stub(self, name: str) -> Any:
-        return self.client.participant(name)
+    def _stub(self, target: Member | _Endpoint) -> Any:
+        if target.endpoint_id is None:
+            return self.client.participant(target.name)
+        return self.client.participant(target.name, target.endpoint_id)
 
     async def _fan(
         self,
         operation: str,
-        names: Sequence[str],
-        call: Callable[[str], Awaitable[Any]],
+        targets: Sequence[T],
+        call: Callable[[T], Awaitable[Any]],
         *,
         skip: tuple[type[GymrpcError], ...] = (),
     ) -> dict[str, Any]:
-        """Call every name at once; raise `CoordinationError` naming each failure."""
-        results = await asyncio.gather(*(call(n) for n in names), return_exceptions=True)
+        """Call every target at once; replies by label; raise `CoordinationError` naming each failure."""
+        results = await asyncio.gather(*(call(t) for t in targets), return_exceptions=True)
         replies, failures = {}, {}
-        for name, result in zip(names, results, strict=True):
+        for target, result in zip(targets, results, strict=True):
             if isinstance(result, skip):
                 continue
             if isinstance(result, GymrpcError):
-                failures[name] = result
+                failures[target.label] = result
             elif isinstance(result, BaseException):
                 raise result
             else:
-                replies[name] = result
+                replies[target.label] = result
         if failures:
             raise CoordinationError(operation, failures)
         return replies
@@ -175,11 +261,11 @@ class Controller:
         members = await self._members()
         replies: dict[str, pb.PrepareResponse] = {}
         for kind in PREPARE_ORDER:
-            stage = [m.name for m in members if m.kind is kind]
+            stage = [m for m in members if m.kind is kind]
             if not stage:
                 continue
             got = await self._fan(
-                "prepare", stage, lambda n: self._stub(n).Prepare(request, timeout=self._left(deadline))
+                "prepare", stage, lambda m: self._stub(m).Prepare(request, timeout=self._left(deadline))
             )
             replies.update(got)
             if any(r.phase != pb.PARTICIPANT_PHASE_PREPARED for r in got.values()):
@@ -195,7 +281,8 @@ class Controller:
         timeout: float = 60.0,
         stop: bool = False,
     ) -> dict[str, pb.CheckpointManifest]:
-        """All at once. `episode_ids` names every episode continued (restored ones by their new attempt)."""
+        """All at once. `episode_ids` names every episode continued (restored ones by their new attempt);
+        `None` commits every parked episode, an empty list none."""
         deadline = time.time() + timeout
         request = pb.CommitRequest(
             checkpoint_id=checkpoint_id,
@@ -203,12 +290,13 @@ class Controller:
             checkpoint_dir=_absolute(checkpoint_dir),
             episode_ids=_ids(episode_ids or ()),
             stop=stop,
+            explicit_scope=episode_ids is not None,
         )
-        names = [m.name for m in await self._members()]
+        members = await self._members()
         replies = await self._fan(
-            "commit", names, lambda n: self._stub(n).Commit(request, timeout=self._left(deadline))
+            "commit", members, lambda m: self._stub(m).Commit(request, timeout=self._left(deadline))
         )
-        return {n: r.manifest for n, r in replies.items()}
+        return {label: r.manifest for label, r in replies.items()}
 
     async def resume(self, checkpoint_id: str, *, timeout: float = 30.0) -> dict[str, pb.ResumeResponse]:
         """Reverse order, past failures; raises `CoordinationError` at the end if any failed."""
@@ -217,10 +305,10 @@ class Controller:
         replies: dict[str, pb.ResumeResponse] = {}
         failures: dict[str, GymrpcError] = {}
         for kind in RESUME_ORDER:
-            stage = [m.name for m in members if m.kind is kind]
+            stage = [m for m in members if m.kind is kind]
             try:
                 replies.update(
-                    await self._fan("resume", stage, lambda n: self._stub(n).Resume(request, timeout=timeout))
+                    await self._fan("resume", stage, lambda m: self._stub(m).Resume(request, timeout=timeout))
                 )
             except CoordinationError as exc:
                 failures.update(exc.failures)
@@ -235,20 +323,52 @@ class Controller:
         episode_ids: Iterable[EpisodeKey],
         *,
         timeout: float = 120.0,
+        sources: Mapping[str, Sequence[str]] | None = None,
     ) -> dict[str, pb.RestoreResponse]:
-        """All at once, all or nothing; the episodes come back as attempt + 1 (then `resume`)."""
+        """All at once, all or nothing; the episodes come back as attempt + 1 (then `resume`).
+
+        Each replica reads the records of every replica of its name that committed and installs
+        the ones placed on it among the replicas registered now (discovered again first), so the
+        replica count may differ from the checkpoint's. `sources` maps a name to the endpoint ids
+        that committed
+        (`CheckpointResult.sources()`); by default they are the replica folders found in
+        `checkpoint_dir` (which this process must then see). Afterwards the client forgets where
+        it had placed sessions of these names (`Client.refresh`): they are where `place` says.
+        """
         episodes = list(episode_ids)
         deadline = time.time() + timeout
-        request = pb.RestoreRequest(
-            checkpoint_id=restore_id,
-            deadline=timestamp(deadline),
-            checkpoint_dir=_absolute(checkpoint_dir),
-            episode_ids=_ids(episodes),
-        )
-        names = [m.name for m in await self._members()]
+        folder = _absolute(checkpoint_dir)
+        # Placement is over the replicas registered now, never over those of a stack seen earlier.
+        members = await (self.discover() if getattr(self.client, "registry", None) is not None else self._members())
+        if sources is None:
+            sources = await asyncio.to_thread(_committed_replicas, Path(folder), members)
+        replicas: dict[str, list[str]] = {}
+        for member in members:
+            if member.endpoint_id is not None:
+                replicas.setdefault(member.name, []).append(member.endpoint_id)
+
+        def request(member: Member) -> pb.RestoreRequest:
+            out = pb.RestoreRequest(
+                checkpoint_id=restore_id,
+                deadline=timestamp(deadline),
+                checkpoint_dir=folder,
+                episode_ids=_ids(episodes),
+            )
+            if member.endpoint_id is not None and sources.get(member.name):
+                out.source_endpoint_ids.extend(sources[member.name])
+                out.endpoint_ids.extend(replicas[member.name])
+                out.endpoint_id = member.endpoint_id
+            elif member.replicas > 1:
+                log.warning(
+                    "no replica folder of this name in the checkpoint (or not visible here): each replica "
+                    "restores its own folder",
+                    extra={"service": member.name, "checkpoint_dir": folder},
+                )
+            return out
+
         try:
-            return await self._fan(
-                "restore", names, lambda n: self._stub(n).Restore(request, timeout=self._left(deadline))
+            replies = await self._fan(
+                "restore", members, lambda m: self._stub(m).Restore(request(m), timeout=self._left(deadline))
             )
         except CoordinationError:
             cleanup = max(deadline - time.time(), CLEANUP_SECONDS)
@@ -259,6 +379,19 @@ class Controller:
             finally:
                 await self.resume(restore_id)
             raise
+        await self._refresh(replicas)
+        return replies
+
+    async def _refresh(self, names: Iterable[str]) -> None:
+        """Let the client place the restored names' sessions afresh (`Client.refresh`); best effort."""
+        refresh = getattr(self.client, "refresh", None)
+        if refresh is None:
+            return
+        for name in names:
+            try:
+                await refresh(name)
+            except GymrpcError as exc:
+                log.warning("could not resolve %s again after the restore: %s", name, exc)
 
     async def retire(
         self, operation_id: str, episode_ids: Iterable[EpisodeKey], *, timeout: float = 60.0
@@ -268,20 +401,20 @@ class Controller:
         request = pb.RetireRequest(
             checkpoint_id=operation_id, deadline=timestamp(deadline), episode_ids=_ids(episode_ids)
         )
-        return await self._ordered("retire", lambda n: self._stub(n).Retire(request, timeout=self._left(deadline)))
+        return await self._ordered("retire", lambda m: self._stub(m).Retire(request, timeout=self._left(deadline)))
 
     async def forget(
         self, operation_id: str, rollout_ids: Iterable[str], *, timeout: float = 30.0
     ) -> dict[str, pb.ForgetResponse]:
         """Drop retire marks once the rollouts are done for good; callers before callees."""
         request = pb.ForgetRequest(checkpoint_id=operation_id, rollout_ids=list(rollout_ids))
-        return await self._ordered("forget", lambda n: self._stub(n).Forget(request, timeout=timeout))
+        return await self._ordered("forget", lambda m: self._stub(m).Forget(request, timeout=timeout))
 
-    async def _ordered(self, operation: str, call: Callable[[str], Awaitable[Any]]) -> dict[str, Any]:
+    async def _ordered(self, operation: str, call: Callable[[Member], Awaitable[Any]]) -> dict[str, Any]:
         members = await self._members()
         replies: dict[str, Any] = {}
         for kinds in RETIRE_ORDER:
-            stage = [m.name for m in members if m.kind in kinds]
+            stage = [m for m in members if m.kind in kinds]
             replies.update(await self._fan(operation, stage, call))
         return replies
 
@@ -292,13 +425,13 @@ class Controller:
     async def renew(self, checkpoint_id: str, *, timeout: float = 60.0) -> dict[str, pb.RenewResponse]:
         """Extend every lease past a new deadline (for a controller that publishes slowly)."""
         request = pb.RenewRequest(checkpoint_id=checkpoint_id, deadline=timestamp(time.time() + timeout))
-        names = [m.name for m in await self._members()]
-        return await self._fan("renew", names, lambda n: self._stub(n).Renew(request, timeout=timeout))
+        members = await self._members()
+        return await self._fan("renew", members, lambda m: self._stub(m).Renew(request, timeout=timeout))
 
     async def status(self, *, timeout: float = 10.0) -> dict[str, pb.GetStatusResponse]:
-        names = [m.name for m in await self._members()]
+        members = await self._members()
         return await self._fan(
-            "status", names, lambda n: self._stub(n).GetStatus(pb.GetStatusRequest(), timeout=timeout)
+            "status", members, lambda m: self._stub(m).GetStatus(pb.GetStatusRequest(), timeout=timeout)
         )
 
     # -- the whole thing ---------------------------------------------------------------------

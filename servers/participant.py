@@ -13,7 +13,7 @@ import logging
 import grpc
 
 from gymrpc.control import ControlPlane, Participant
-from gymrpc.control.plane import DEFAULT_LEASE_GRACE
+from gymrpc.control.plane import DEFAULT_LEASE_GRACE, Placement
 from gymrpc.control.types import episode_keys
 from gymrpc.errors import InvalidArgument
 from gymrpc.pbtime import seconds, timestamp
@@ -49,6 +49,7 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
             pid=status.pid,
             start_time=timestamp(status.started_at),
             details=status.details,
+            endpoint_id=status.endpoint_id,
         )
         if status.lease_expires_at is not None:
             reply.lease_expire_time.CopyFrom(timestamp(status.lease_expires_at))
@@ -63,7 +64,8 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         return pb.RenewResponse(lease_expire_time=timestamp(expires))
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
-        scope = frozenset(episode_keys(request.episode_ids)) or None
+        listed = frozenset(episode_keys(request.episode_ids))
+        scope = listed if request.explicit_scope or listed else None
         manifest = await self.plane.commit(
             request.checkpoint_id, _deadline(request), request.checkpoint_dir, scope, request.stop
         )
@@ -74,8 +76,17 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         return pb.ResumeResponse(phase=pb.PARTICIPANT_PHASE_IDLE, already_resumed=already)
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
+        placement = Placement(
+            sources=tuple(request.source_endpoint_ids),
+            replicas=tuple(request.endpoint_ids),
+            target=request.endpoint_id,
+        )
         source, restored = await self.plane.restore(
-            request.checkpoint_id, _deadline(request), request.checkpoint_dir, episode_keys(request.episode_ids)
+            request.checkpoint_id,
+            _deadline(request),
+            request.checkpoint_dir,
+            episode_keys(request.episode_ids),
+            placement,
         )
         return pb.RestoreResponse(
             phase=pb.PARTICIPANT_PHASE_RESTORED,
@@ -134,8 +145,16 @@ def wants_participant(args: argparse.Namespace, config: ServerConfig) -> bool:
 
 
 def start_plane(participant: Participant, name: str, args: argparse.Namespace) -> tuple[ControlPlane, ServiceBinding]:
-    """A started control plane for `participant` (from `add_participant_arguments` flags) and its binding."""
-    plane = ControlPlane(participant, name=name, lease_grace=args.checkpoint_lease_grace)
+    """A started control plane for `participant` (from `add_participant_arguments` flags) and its binding.
+
+    The plane takes the server's replica id (`--endpoint-id`): it names the replica's checkpoint folder.
+    """
+    plane = ControlPlane(
+        participant,
+        name=name,
+        endpoint_id=getattr(args, "endpoint_id", "0"),
+        lease_grace=args.checkpoint_lease_grace,
+    )
     if getattr(args, "await_restore", False):
         plane.await_restore()
     plane.start()

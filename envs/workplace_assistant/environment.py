@@ -11,8 +11,9 @@ the default for every task of a server.
 
 Snapshots (format `gymrpc.workplace.tables` v1) are `gymrpc.snapshots` session bundles:
 one Arrow block per table plus a manifest carrying the task. Tables the session never
-changed reuse the block encoded once per process from the seed. The many-sessions path
-(`export_tables` / `build_session`) plugs into `gymrpc.snapshots.checkpoint`.
+changed reuse the block encoded once per process from the seed. It is a `TableEnvironment`,
+so coordinated checkpoints store each distinct block once (`export_tables` / `build_session`,
+through `gymrpc.snapshots.checkpoint`).
 Pandas work is not cheap, so the host runs every method in its thread pool.
 """
 
@@ -35,12 +36,12 @@ from envs.workplace_assistant._data import (
 from envs.workplace_assistant.tools import ToolBox
 from gymrpc.envkit import (
     CheckpointMode,
-    Environment,
     InvalidTask,
-    Session,
     SnapshotCorrupt,
     SnapshotFormat,
     SnapshotUnsupported,
+    TableEnvironment,
+    TableSession,
     TaskSpec,
     ToolError,
     ToolResult,
@@ -61,7 +62,7 @@ from gymrpc.snapshots import (
 _META_KEYS = frozenset({"task_id", "ground_truth", "verify_mode"})
 
 
-class WorkplaceSession(Session):
+class WorkplaceSession(TableSession):
     """One episode's tables and the task's ground truth."""
 
     def __init__(self, tables: TableSet, task_id: str, ground_truth: list[dict[str, str]], verify_mode: str) -> None:
@@ -106,7 +107,7 @@ class WorkplaceSession(Session):
         self.tables.clear()
 
 
-class WorkplaceEnvironment(Environment):
+class WorkplaceEnvironment(TableEnvironment):
     """The Workplace Assistant environment (SPEC §8)."""
 
     name = "workplace"
@@ -163,8 +164,7 @@ class WorkplaceEnvironment(Environment):
         blocks = {name: (digest, exported.blocks[digest]) for name, digest in manifest.tables.items()}
         return WorkplaceSession(TableSet(ordered, blocks), meta["task_id"], ground_truth, meta["verify_mode"])
 
-    @staticmethod
-    def known_frames() -> dict[str, pd.DataFrame]:
+    def known_frames(self) -> dict[str, pd.DataFrame]:
         """Seed tables by block digest, for `decode_session` / `restore_sessions` (`known=`)."""
         return seed_frames_by_digest()
 

@@ -11,6 +11,11 @@ Contract of each hook, as the plane relies on it:
 - `readiness`: cheap and synchronous; call `changed.notify()` whenever it may have changed.
 - `export(scope)`: called once per checkpoint, while prepared and ready; returns the records
   of the episodes in `scope` (None: every parked episode). Must not change state.
+- `select(records, scope)`: the records a restore passes to `stage` (default: those of
+  the episodes in `scope`; a role whose records are shared by episodes keeps those too).
+- `placement_key(record)`: the affinity key clients route the record's calls by; a restore
+  onto several replicas stages a record only on the replica `gymrpc.balancing.place` gives
+  that key (None: on every replica).
 - `stage(records, scope)`: decode and validate every record (DATA_LOSS on damage) without
   changing anything; `install(staged)` then swaps it in all at once and returns the new
   attempts it installed. A failed stage or install leaves the process as it was.
@@ -92,6 +97,20 @@ class Participant(abc.ABC):
         if self.admission.admitted_total:
             return f"it already admitted {self.admission.admitted_total} data-plane calls"
         return None
+
+    def select(
+        self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey]
+    ) -> list[rec_pb.CheckpointRecord]:
+        """The records a restore of `scope` stages: those of its episodes, plus any a role shares across episodes."""
+        return [r for r in records if EpisodeKey.of(r.episode_id) in scope]
+
+    def placement_key(self, record: rec_pb.CheckpointRecord) -> str | None:
+        """The affinity key (`gymrpc.balancing.affinity_key`) of the calls that will use `record`.
+
+        A restore onto several replicas installs the record only where clients route that key;
+        the default is the rollout id (`Run`, `Generate`). None: the record goes to every replica.
+        """
+        return record.episode_id.rollout_id
 
     @abc.abstractmethod
     async def stage(self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey]) -> Any:

@@ -11,7 +11,11 @@ plane adds what must be the same everywhere:
 - a lease, `max(lease, deadline + lease_grace)`, renewed by every control call; when it
   runs out in any phase but idle the plane aborts by itself (as a resume would), so a
   controller that vanished never leaves admission closed;
-- deadlines on every step: waits end at the deadline, I/O past it fails the call.
+- deadlines on every step: waits end at the deadline, I/O past it fails the call;
+- replicas: each replica of a name writes its own folder (`store.participant_dir`), and a
+  restore may read every replica's records and install only those `gymrpc.balancing.place`
+  puts on this replica (`Placement`), so a checkpoint restores onto any number of replicas
+  and each restored session lands where clients will route its calls.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gymrpc.balancing import place
 from gymrpc.control import store
 from gymrpc.control.faults import crash_point
 from gymrpc.control.fencing import Fence, Op, ResumeOutcome
@@ -33,8 +38,8 @@ from gymrpc.control.lease import Lease
 from gymrpc.control.participant import Participant, Scope
 from gymrpc.control.replay import Replies, conflict
 from gymrpc.control.types import EpisodeKey, Kind, Phase, Report
-from gymrpc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from gymrpc.ids import check_id, check_service_name
+from gymrpc.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from gymrpc.ids import check_endpoint_id, check_id, check_service_name
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import participant_service_pb2 as pb
 
@@ -54,6 +59,21 @@ class Status:
     pid: int
     started_at: float
     details: dict[str, str] = field(default_factory=dict)
+    endpoint_id: str = "0"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which replicas' records a restore reads, and which of them it installs here (`RestoreRequest`)."""
+
+    sources: tuple[str, ...] = ()
+    """Endpoint ids of the replicas (of this name, when they committed) whose records to read;
+    empty: this replica's own folder."""
+    replicas: tuple[str, ...] = ()
+    """Endpoint ids of every replica restored into; a record is installed on the one
+    `place(participant.placement_key(record), replicas)` names. Empty: install every record read."""
+    target: str = ""
+    """The replica the request is meant for (a stale address reaches another); empty: not checked."""
 
 
 @dataclass
@@ -73,11 +93,14 @@ class ControlPlane:
         participant: Participant,
         *,
         name: str,
+        endpoint_id: str = "0",
         lease_grace: float = DEFAULT_LEASE_GRACE,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.participant = participant
         self.name = check_service_name(name)
+        self.endpoint_id = check_endpoint_id(endpoint_id)
+        """Replica id behind `name`: names this replica's checkpoint folder."""
         self.clock = clock
         self.fence = Fence()
         self.lease = Lease(lease_grace, clock, self._lease_expired)
@@ -133,6 +156,7 @@ class ControlPlane:
             pid=os.getpid(),
             started_at=self.started_at,
             details=details,
+            endpoint_id=self.endpoint_id,
         )
 
     # -- prepare / renew ---------------------------------------------------------------------
@@ -254,7 +278,14 @@ class ControlPlane:
     async def _store(self, root: Path, write: _Write) -> pb.CheckpointManifest:
         try:
             return await asyncio.to_thread(
-                store.write_checkpoint, root, self.kind, self.name, write.checkpoint_id, write.records, write.stop
+                store.write_checkpoint,
+                root,
+                self.kind,
+                self.name,
+                write.checkpoint_id,
+                write.records,
+                write.stop,
+                self.endpoint_id,
             )
         except store.WriteStopped:
             raise FailedPrecondition(
@@ -304,14 +335,23 @@ class ControlPlane:
     # -- restore -----------------------------------------------------------------------------
 
     async def restore(
-        self, checkpoint_id: str, deadline: float, checkpoint_dir: str, episodes: Sequence[EpisodeKey]
+        self,
+        checkpoint_id: str,
+        deadline: float,
+        checkpoint_dir: str,
+        episodes: Sequence[EpisodeKey],
+        placement: Placement | None = None,
     ) -> tuple[str, list[EpisodeKey]]:
-        """Install a committed checkpoint into this fresh process, all or nothing."""
+        """Install a committed checkpoint into this fresh process, all or nothing.
+
+        `placement`: read the records of several replicas and install the ones placed here.
+        """
         check_id(checkpoint_id, "checkpoint_id")
         root = store.check_checkpoint_dir(checkpoint_dir)
         self._check_deadline(deadline)
+        sources, replicas = self._check_placement(placement or Placement())
         scope = frozenset(episodes)
-        args = (str(root), scope)
+        args = (str(root), scope, sources, replicas)
         async with self._lock:
             if (cached := self.replies.get(Op.RESTORE, checkpoint_id, args)) is not None:
                 return cached
@@ -330,9 +370,13 @@ class ControlPlane:
                 )
             try:
                 async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
-                    manifest, records = await asyncio.to_thread(store.read_checkpoint, root, self.kind, self.name)
-                    selected = [r for r in records if EpisodeKey.of(r.episode_id) in scope]
-                    staged = await self.participant.stage(selected, scope)
+                    manifest, records = await asyncio.to_thread(self._read, root, sources)
+                    selected = self.participant.select(records, scope)
+                    if replicas:  # only the records placed on this replica
+                        selected, placed = self._placed_here(selected, scope, replicas)
+                    else:
+                        placed = scope
+                    staged = await self.participant.stage(selected, placed)
             except TimeoutError:
                 raise DeadlineExceeded(
                     f"restore of {root} did not finish by the deadline; nothing was installed"
@@ -350,8 +394,77 @@ class ControlPlane:
             self.lease.renew(deadline)
             reply = (manifest.checkpoint_id, restored)
             self.replies.put(Op.RESTORE, checkpoint_id, args, reply)
-            log.info("restored", extra={"checkpoint_id": checkpoint_id, "episodes": len(restored)})
+            log.info(
+                "restored",
+                extra={
+                    "checkpoint_id": checkpoint_id,
+                    "episodes": len(restored),
+                    "records": len(selected),
+                    "records_read": len(records),
+                    "sources": ",".join(sources),
+                },
+            )
             return reply
+
+    def _check_placement(self, placement: Placement) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Validated (sources, replicas); a request for another replica is UNAVAILABLE: resolve again."""
+        if placement.target and placement.target != self.endpoint_id:
+            raise Unavailable(
+                f"this is replica {self.endpoint_id} of {self.name}, not replica {placement.target[:64]!r}: "
+                "the caller's address is stale; resolve the name again",
+                metadata={"name": self.name, "endpoint_id": self.endpoint_id},
+            )
+        ids = {}
+        for field_name, values in (("source_endpoint_ids", placement.sources), ("endpoint_ids", placement.replicas)):
+            for value in values:
+                try:
+                    check_endpoint_id(value)
+                except InvalidArgument:
+                    raise InvalidArgument(
+                        f"{field_name} holds an invalid endpoint id {value[:64]!r}", metadata={"field": field_name}
+                    ) from None
+            ids[field_name] = tuple(dict.fromkeys(values))  # duplicates collapse, order is kept
+        replicas = tuple(sorted(ids["endpoint_ids"]))
+        if replicas and self.endpoint_id not in replicas:
+            raise InvalidArgument(
+                f"endpoint_ids {', '.join(replicas[:10])} leave out this replica ({self.endpoint_id}); "
+                "name every replica restored into",
+                metadata={"field": "endpoint_ids"},
+            )
+        return ids["source_endpoint_ids"] or (self.endpoint_id,), replicas
+
+    def _read(self, root: Path, sources: Sequence[str]) -> tuple[pb.CheckpointManifest, list[rec_pb.CheckpointRecord]]:
+        """Every source replica's verified records, in source order; all of one checkpoint."""
+        manifest, records = store.read_checkpoint(root, self.kind, self.name, sources[0])
+        for source in sources[1:]:
+            other, more = store.read_checkpoint(root, self.kind, self.name, source)
+            if other.checkpoint_id != manifest.checkpoint_id:
+                raise DataLoss(
+                    f"{root}: replica {source} of {self.name} holds checkpoint {other.checkpoint_id!r}, replica "
+                    f"{sources[0]} holds {manifest.checkpoint_id!r}; nothing was restored"
+                )
+            records.extend(more)
+        return manifest, records
+
+    def _placed_here(
+        self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey], replicas: Sequence[str]
+    ) -> tuple[list[rec_pb.CheckpointRecord], frozenset[EpisodeKey]]:
+        """The records whose calls clients route to this replica, and the episodes to stage here.
+
+        Those episodes are the ones of the records kept, and those whose rollout id is placed
+        here (a role that installs something for every episode, such as the model's empty
+        ledger, does it where the episode's `Generate` calls go).
+        """
+        kept, placed = [], {e for e in scope if place(e.rollout_id, replicas) == self.endpoint_id}
+        for record in records:
+            key = self.participant.placement_key(record)
+            if key is None:
+                kept.append(record)  # shared by episodes (table blocks): every replica needs it
+            elif place(key, replicas) == self.endpoint_id:
+                kept.append(record)
+                if (episode := EpisodeKey.of(record.episode_id)) in scope:
+                    placed.add(episode)
+        return kept, frozenset(placed)
 
     # -- retire / forget ---------------------------------------------------------------------
 

@@ -3,6 +3,9 @@
     <checkpoint_dir>/<kind>/<instance>/records-<sha256>.bin   delimited CheckpointRecord messages
     <checkpoint_dir>/<kind>/<instance>/manifest.json          CheckpointManifest, create-only
 
+Replicas of one name each write their own folder: replica `0` (the only one without
+replicas) `<instance>`, replica `k` `<instance>#k` (`#` never occurs in a service name).
+
 One records file per participant keeps filesystem metadata work constant however many
 episodes are in flight. The manifest is the commit point: it is created with `os.link`
 of an fsynced temporary file, which never replaces an existing name, so of two racing
@@ -33,7 +36,7 @@ from google.protobuf.message import DecodeError
 from gymrpc.control.faults import crash_point
 from gymrpc.control.types import Kind
 from gymrpc.errors import Aborted, DataLoss, InvalidArgument, NotFound
-from gymrpc.ids import check_id, check_service_name
+from gymrpc.ids import ENDPOINT_ID, check_endpoint_id, check_id, check_service_name
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import participant_service_pb2 as pb
@@ -90,10 +93,30 @@ def check_checkpoint_dir(value: str) -> Path:
     return path
 
 
-def participant_dir(root: Path, kind: Kind, name: str) -> Path:
-    """`<root>/<kind>/<instance>`; `name` is a validated `role/instance`."""
+def participant_dir(root: Path, kind: Kind, name: str, endpoint_id: str = "0") -> Path:
+    """`<root>/<kind>/<instance>` (replica `0`) or `<root>/<kind>/<instance>#<endpoint_id>`."""
     check_service_name(name)
-    return root / kind.folder / name.partition("/")[2]
+    instance = name.partition("/")[2]
+    return root / kind.folder / (instance if check_endpoint_id(endpoint_id) == "0" else f"{instance}#{endpoint_id}")
+
+
+def replica_ids(root: Path, kind: Kind, name: str) -> list[str]:
+    """Endpoint ids of the replicas of `name` whose folder under `root` holds a manifest, sorted.
+
+    What a restore onto any number of replicas reads from (`RestoreRequest.source_endpoint_ids`).
+    """
+    check_service_name(name)
+    instance = name.partition("/")[2]
+    try:
+        entries = list(os.scandir(root / kind.folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        endpoint = "0" if entry.name == instance else entry.name.removeprefix(f"{instance}#")
+        if endpoint != entry.name and ENDPOINT_ID.fullmatch(endpoint) and os.path.isfile(Path(entry.path, MANIFEST)):
+            found.append(endpoint)
+    return sorted(found)
 
 
 def write_checkpoint(
@@ -103,9 +126,10 @@ def write_checkpoint(
     checkpoint_id: str,
     records: Sequence[rec_pb.CheckpointRecord],
     stop: WriteStop,
+    endpoint_id: str = "0",
 ) -> pb.CheckpointManifest:
     """Write the records file, then create the manifest; returns the published manifest."""
-    folder = participant_dir(root, kind, name)
+    folder = participant_dir(root, kind, name, endpoint_id)
     _make_dirs(folder)
     existing = _load_manifest(folder / MANIFEST)
     if existing is not None and existing.checkpoint_id != checkpoint_id:
@@ -135,6 +159,7 @@ def write_checkpoint(
             create_time=timestamp(time.time()),
             schema_version=SCHEMA_VERSION,
             records_format=RECORDS_FORMAT,
+            endpoint_id=endpoint_id,
         )
         with stop.publishing():
             os.replace(temp, folder / manifest.records_file)
@@ -148,16 +173,19 @@ def write_checkpoint(
             os.unlink(temp)
 
 
-def read_checkpoint(root: Path, kind: Kind, name: str) -> tuple[pb.CheckpointManifest, list[rec_pb.CheckpointRecord]]:
-    """Read and verify a participant's manifest and every record; DATA_LOSS on any damage."""
-    folder = participant_dir(root, kind, name)
+def read_checkpoint(
+    root: Path, kind: Kind, name: str, endpoint_id: str = "0"
+) -> tuple[pb.CheckpointManifest, list[rec_pb.CheckpointRecord]]:
+    """Read and verify a participant's (replica's) manifest and every record; DATA_LOSS on any damage."""
+    folder = participant_dir(root, kind, name, endpoint_id)
     manifest = _load_manifest(folder / MANIFEST)
     if manifest is None:
+        replica = "" if endpoint_id == "0" else f" replica {endpoint_id}"
         raise NotFound(
-            f"{folder} holds no manifest: {root} is not a committed checkpoint of {name}",
-            metadata={"checkpoint_dir": str(root)[:200], "name": name},
+            f"{folder} holds no manifest: {root} is not a committed checkpoint of {name}{replica}",
+            metadata={"checkpoint_dir": str(root)[:200], "name": name, "endpoint_id": endpoint_id},
         )
-    _check_manifest(manifest, folder, kind, name)
+    _check_manifest(manifest, folder, kind, name, endpoint_id)
     path = folder / manifest.records_file
     try:
         data = path.read_bytes()
@@ -216,7 +244,7 @@ def _load_manifest(path: Path) -> pb.CheckpointManifest | None:
     return manifest
 
 
-def _check_manifest(manifest: pb.CheckpointManifest, folder: Path, kind: Kind, name: str) -> None:
+def _check_manifest(manifest: pb.CheckpointManifest, folder: Path, kind: Kind, name: str, endpoint_id: str) -> None:
     where = folder / MANIFEST
     if manifest.schema_version != SCHEMA_VERSION or manifest.records_format != RECORDS_FORMAT:
         raise DataLoss(
@@ -228,6 +256,8 @@ def _check_manifest(manifest: pb.CheckpointManifest, folder: Path, kind: Kind, n
             f"{where} belongs to {pb.ParticipantKind.Name(manifest.kind)} {manifest.name!r}, not to "
             f"{pb.ParticipantKind.Name(int(kind))} {name!r}"  # type: ignore[arg-type]
         )
+    if (manifest.endpoint_id or "0") != endpoint_id:
+        raise DataLoss(f"{where} belongs to replica {manifest.endpoint_id!r} of {name!r}, not to {endpoint_id!r}")
     try:
         check_id(manifest.checkpoint_id, "manifest.checkpoint_id")
     except InvalidArgument as exc:

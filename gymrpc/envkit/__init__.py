@@ -2,10 +2,12 @@
 
 An environment is a small class in `envs/` that seeds sessions from tasks and a
 session object that calls tools, takes text turns, verifies, and (optionally)
-exports its state as bytes. The resources host (`servers/resources`) adapts it to
-`gymrpc.v1.ResourcesService`; nothing here imports grpc.
+exports its state as bytes (a `TableEnvironment`: also as shared table blocks). The
+resources host (`servers/resources`) adapts it to `gymrpc.v1.ResourcesService`;
+nothing here imports grpc.
 """
 
+from gymrpc.envkit._tables import TableEnvironment, TableSession
 from gymrpc.envkit._tasks import task_from_row
 from gymrpc.envkit._types import (
     CheckpointMode,
@@ -36,6 +38,8 @@ __all__ = [
     "SnapshotFormat",
     "SnapshotUnsupported",
     "StepResult",
+    "TableEnvironment",
+    "TableSession",
     "TaskSpec",
     "ToolError",
     "ToolResult",

@@ -137,7 +137,7 @@ class CheckpointingRun:
         restored: set[str] = set()
         if scope:
             replies = await self.controller.restore(operation, saved.folder, scope)
-            agents = {m.name for m in self.controller.members if m.kind is Kind.AGENT}
+            agents = {m.label for m in self.controller.members if m.kind is Kind.AGENT}  # every replica
             restored = {e.rollout_id for n in agents if n in replies for e in replies[n].restored}
         await self.controller.resume(operation)
         self.attempts = {k.rollout_id: k.attempt + 1 for k in pending}

@@ -77,6 +77,7 @@ class EpisodeResult:
                 "stop_reason": agent_pb.StopReason.Name(t.stop_reason).removeprefix("STOP_REASON_").lower(),
                 "resume_count": t.resume_count,
                 "restart_count": t.restart_count,
+                "failovers": t.failovers,
                 "tokens": {"input": t.usage.input_tokens, "output": t.usage.output_tokens},
                 "timings": {
                     "latency_s": round(self.latency_s, 6),

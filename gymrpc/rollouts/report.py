@@ -115,6 +115,11 @@ class Summary:
         rewards = [r.reward or 0.0 for r in self.ok]
         return sum(rewards) / len(rewards) if rewards else None
 
+    @property
+    def failovers(self) -> int:
+        """Calls that moved to another replica after theirs failed, over every finished episode."""
+        return sum(r.trajectory.failovers for r in self.results if r.trajectory is not None)
+
     def to_json(self) -> dict[str, Any]:
         latencies = [r.latency_s for r in self.results]
         return {
@@ -130,6 +135,7 @@ class Summary:
             "latency_p95_s": percentile(latencies, 95) if latencies else None,
             "wall_s": self.wall_s,
             "episodes_per_s": len(self.results) / self.wall_s if self.wall_s > 0 else None,
+            "failovers": self.failovers,
             "failures": [{"episode_id": r.episode_id, **error_json(r.error)} for r in self.failed if r.error],
         }
 
@@ -159,6 +165,9 @@ class Summary:
                 f"latency   p50 {percentile(latencies, 50):.3f} s  p95 {percentile(latencies, 95):.3f} s"
                 f"  max {max(latencies):.3f} s"
             )
+        if failovers := self.failovers:
+            moved = sum(1 for r in self.results if r.trajectory is not None and r.trajectory.failovers)
+            out.append(f"failovers {failovers} calls of {moved} episodes moved to another replica")
         failed = sorted(self.failed, key=lambda r: (r.task.index, r.repeat))
         if failed:
             out.append(f"failures  {len(failed)}:")

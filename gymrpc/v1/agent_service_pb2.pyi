@@ -294,6 +294,7 @@ class Trajectory(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
+    FAILOVERS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """Task id from the request."""
     reward: _builtins.float
@@ -312,6 +313,12 @@ class Trajectory(_message.Message):
     """Times this episode was started over (for example after a policy change)."""
     policy_version: _builtins.str
     """Weights version the episode was run with."""
+    failovers: _builtins.int
+    """Calls of the episode that moved to another replica of their service
+    because the one they were on failed (its `Run`, its model and resources
+    calls), as counted by the clients that saw them: the agent that finished
+    the episode, and `gymrpc.Client.run` for `Run` itself.
+    """
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:
         """Episode identity."""
@@ -354,10 +361,11 @@ class Trajectory(_message.Message):
         policy_version: _builtins.str = ...,
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
+        failovers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "mask_sample", b"mask_sample", "messages", b"messages", "model_calls", b"model_calls", "policy_version", b"policy_version", "restart_count", b"restart_count", "resume_count", b"resume_count", "reward", b"reward", "steps", b"steps", "stop_reason", b"stop_reason", "task_id", b"task_id", "timing", b"timing", "tool_calls", b"tool_calls", "usage", b"usage", "verify_details_json", b"verify_details_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "failovers", b"failovers", "mask_sample", b"mask_sample", "messages", b"messages", "model_calls", b"model_calls", "policy_version", b"policy_version", "restart_count", b"restart_count", "resume_count", b"resume_count", "reward", b"reward", "steps", b"steps", "stop_reason", b"stop_reason", "task_id", b"task_id", "timing", b"timing", "tool_calls", b"tool_calls", "usage", b"usage", "verify_details_json", b"verify_details_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

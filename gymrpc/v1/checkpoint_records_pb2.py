@@ -26,7 +26,7 @@ from google.protobuf import any_pb2 as google_dot_protobuf_dot_any__pb2
 from gymrpc.v1 import common_pb2 as gymrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gymrpc/v1/checkpoint_records.proto\x12\tgymrpc.v1\x1a\x19google/protobuf/any.proto\x1a\x16gymrpc/v1/common.proto\"\xe3\x01\n\x10\x43heckpointRecord\x12(\n\nepisode_id\x18\x01 \x01(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12>\n\x11resources_session\x18\x02 \x01(\x0b\x32!.gymrpc.v1.ResourcesSessionRecordH\x00\x12\x36\n\rmodel_episode\x18\x03 \x01(\x0b\x32\x1d.gymrpc.v1.ModelEpisodeRecordH\x00\x12%\n\x05other\x18\x0f \x01(\x0b\x32\x14.google.protobuf.AnyH\x00\x42\x06\n\x04\x62ody\"\xa6\x01\n\x16ResourcesSessionRecord\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\x08snapshot\x18\x02 \x01(\x0b\x32\x1a.gymrpc.v1.SessionSnapshot\x12\x1d\n\x04task\x18\x03 \x01(\x0b\x32\x0f.gymrpc.v1.Task\x12+\n\x07replies\x18\x04 \x03(\x0b\x32\x1a.gymrpc.v1.CachedToolReply\"\x90\x01\n\x0f\x43\x61\x63hedToolReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\x10\n\x08is_error\x18\x03 \x01(\x08\x12\x14\n\x0cobservations\x18\x04 \x03(\t\x12\x12\n\nterminated\x18\x05 \x01(\x08\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x11\n\ttext_turn\x18\x07 \x01(\x08\"a\n\x12ModelEpisodeRecord\x12#\n\x04rows\x18\x01 \x03(\x0b\x32\x15.gymrpc.v1.CaptureRow\x12&\n\x04\x63uts\x18\x02 \x03(\x0b\x32\x18.gymrpc.v1.GenerationCut\"\xcc\x01\n\nCaptureRow\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0esource_attempt\x18\x02 \x01(\r\x12%\n\x06tokens\x18\x03 \x01(\x0b\x32\x15.gymrpc.v1.TokenTrace\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.gymrpc.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x05 \x01(\t\x12#\n\x07message\x18\x06 \x01(\x0b\x32\x12.gymrpc.v1.Message\"\xcf\x01\n\rGenerationCut\x12\x16\n\x0erequest_digest\x18\x01 \x01(\t\x12\x19\n\x11source_request_id\x18\x02 \x01(\t\x12\x18\n\x10prefix_token_ids\x18\x03 \x03(\r\x12\x17\n\x0fprefix_logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x63omplete\x18\x05 \x01(\x08\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.gymrpc.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x07 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gymrpc/v1/checkpoint_records.proto\x12\tgymrpc.v1\x1a\x19google/protobuf/any.proto\x1a\x16gymrpc/v1/common.proto\"\x91\x02\n\x10\x43heckpointRecord\x12(\n\nepisode_id\x18\x01 \x01(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12>\n\x11resources_session\x18\x02 \x01(\x0b\x32!.gymrpc.v1.ResourcesSessionRecordH\x00\x12\x36\n\rmodel_episode\x18\x03 \x01(\x0b\x32\x1d.gymrpc.v1.ModelEpisodeRecordH\x00\x12,\n\x0btable_block\x18\x04 \x01(\x0b\x32\x15.gymrpc.v1.TableBlockH\x00\x12%\n\x05other\x18\x0f \x01(\x0b\x32\x14.google.protobuf.AnyH\x00\x42\x06\n\x04\x62ody\"\xd0\x01\n\x16ResourcesSessionRecord\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\x08snapshot\x18\x02 \x01(\x0b\x32\x1a.gymrpc.v1.SessionSnapshot\x12\x1d\n\x04task\x18\x03 \x01(\x0b\x32\x0f.gymrpc.v1.Task\x12+\n\x07replies\x18\x04 \x03(\x0b\x32\x1a.gymrpc.v1.CachedToolReply\x12(\n\x06tables\x18\x05 \x01(\x0b\x32\x18.gymrpc.v1.TableSnapshot\"N\n\rTableSnapshot\x12\x13\n\x0b\x66ormat_name\x18\x01 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x02 \x01(\r\x12\x10\n\x08manifest\x18\x03 \x01(\x0c\"*\n\nTableBlock\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x90\x01\n\x0f\x43\x61\x63hedToolReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\x10\n\x08is_error\x18\x03 \x01(\x08\x12\x14\n\x0cobservations\x18\x04 \x03(\t\x12\x12\n\nterminated\x18\x05 \x01(\x08\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x11\n\ttext_turn\x18\x07 \x01(\x08\"a\n\x12ModelEpisodeRecord\x12#\n\x04rows\x18\x01 \x03(\x0b\x32\x15.gymrpc.v1.CaptureRow\x12&\n\x04\x63uts\x18\x02 \x03(\x0b\x32\x18.gymrpc.v1.GenerationCut\"\xcc\x01\n\nCaptureRow\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0esource_attempt\x18\x02 \x01(\r\x12%\n\x06tokens\x18\x03 \x01(\x0b\x32\x15.gymrpc.v1.TokenTrace\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.gymrpc.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x05 \x01(\t\x12#\n\x07message\x18\x06 \x01(\x0b\x32\x12.gymrpc.v1.Message\"\xcf\x01\n\rGenerationCut\x12\x16\n\x0erequest_digest\x18\x01 \x01(\t\x12\x19\n\x11source_request_id\x18\x02 \x01(\t\x12\x18\n\x10prefix_token_ids\x18\x03 \x03(\r\x12\x17\n\x0fprefix_logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x63omplete\x18\x05 \x01(\x08\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.gymrpc.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x07 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gymrpc.v1.checkpoint_record
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHECKPOINTRECORD']._serialized_start=101
-  _globals['_CHECKPOINTRECORD']._serialized_end=328
-  _globals['_RESOURCESSESSIONRECORD']._serialized_start=331
-  _globals['_RESOURCESSESSIONRECORD']._serialized_end=497
-  _globals['_CACHEDTOOLREPLY']._serialized_start=500
-  _globals['_CACHEDTOOLREPLY']._serialized_end=644
-  _globals['_MODELEPISODERECORD']._serialized_start=646
-  _globals['_MODELEPISODERECORD']._serialized_end=743
-  _globals['_CAPTUREROW']._serialized_start=746
-  _globals['_CAPTUREROW']._serialized_end=950
-  _globals['_GENERATIONCUT']._serialized_start=953
-  _globals['_GENERATIONCUT']._serialized_end=1160
+  _globals['_CHECKPOINTRECORD']._serialized_end=374
+  _globals['_RESOURCESSESSIONRECORD']._serialized_start=377
+  _globals['_RESOURCESSESSIONRECORD']._serialized_end=585
+  _globals['_TABLESNAPSHOT']._serialized_start=587
+  _globals['_TABLESNAPSHOT']._serialized_end=665
+  _globals['_TABLEBLOCK']._serialized_start=667
+  _globals['_TABLEBLOCK']._serialized_end=709
+  _globals['_CACHEDTOOLREPLY']._serialized_start=712
+  _globals['_CACHEDTOOLREPLY']._serialized_end=856
+  _globals['_MODELEPISODERECORD']._serialized_start=858
+  _globals['_MODELEPISODERECORD']._serialized_end=955
+  _globals['_CAPTUREROW']._serialized_start=958
+  _globals['_CAPTUREROW']._serialized_end=1162
+  _globals['_GENERATIONCUT']._serialized_start=1165
+  _globals['_GENERATIONCUT']._serialized_end=1372
 # @@protoc_insertion_point(module_scope)

@@ -33,6 +33,12 @@ class CheckpointRecord(_message.Message):
     record count cover the whole records file; a reader checks them before
     installing anything.
 
+    A resources server whose sessions are sets of tables (for example
+    workplace) stores each session as a `TableSnapshot` manifest and every
+    distinct table block once, as a `table_block` record of the same file, so
+    a thousand sessions that share their untouched seed tables store them once
+    and the manifest's sha256 covers the blocks too.
+
     The state one participant holds for one episode attempt.
     """
 
@@ -41,10 +47,15 @@ class CheckpointRecord(_message.Message):
     EPISODE_ID_FIELD_NUMBER: _builtins.int
     RESOURCES_SESSION_FIELD_NUMBER: _builtins.int
     MODEL_EPISODE_FIELD_NUMBER: _builtins.int
+    TABLE_BLOCK_FIELD_NUMBER: _builtins.int
     OTHER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:
-        """The checkpointed attempt; a restore installs it as `attempt + 1`."""
+        """The checkpointed attempt; a restore installs it as `attempt + 1`.
+        A `table_block` record belongs to no single episode: it is filed under
+        the episode of the first session that names it, and a restore keeps
+        every block record whatever episodes it restores.
+        """
 
     @_builtins.property
     def resources_session(self) -> Global___ResourcesSessionRecord:
@@ -53,6 +64,12 @@ class CheckpointRecord(_message.Message):
     @_builtins.property
     def model_episode(self) -> Global___ModelEpisodeRecord:
         """The model server's capture ledger and generation cuts."""
+
+    @_builtins.property
+    def table_block(self) -> Global___TableBlock:
+        """A table block shared by the `TableSnapshot`s of any number of
+        resources sessions of the same records file.
+        """
 
     @_builtins.property
     def other(self) -> _any_pb2.Any:
@@ -64,13 +81,14 @@ class CheckpointRecord(_message.Message):
         episode_id: _common_pb2.EpisodeId | None = ...,
         resources_session: Global___ResourcesSessionRecord | None = ...,
         model_episode: Global___ModelEpisodeRecord | None = ...,
+        table_block: Global___TableBlock | None = ...,
         other: _any_pb2.Any | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "episode_id", b"episode_id", "model_episode", b"model_episode", "other", b"other", "resources_session", b"resources_session"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "episode_id", b"episode_id", "model_episode", b"model_episode", "other", b"other", "resources_session", b"resources_session", "table_block", b"table_block"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "episode_id", b"episode_id", "model_episode", b"model_episode", "other", b"other", "resources_session", b"resources_session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "episode_id", b"episode_id", "model_episode", b"model_episode", "other", b"other", "resources_session", b"resources_session", "table_block", b"table_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["resources_session", "model_episode", "other"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["resources_session", "model_episode", "table_block", "other"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -86,6 +104,7 @@ class ResourcesSessionRecord(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
     REPLIES_FIELD_NUMBER: _builtins.int
+    TABLES_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session id; it stays the same when the episode continues as the
     next attempt.
@@ -102,6 +121,13 @@ class ResourcesSessionRecord(_message.Message):
     def replies(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachedToolReply]:
         """Replies of calls that already ran, so a retried call never runs twice."""
 
+    @_builtins.property
+    def tables(self) -> Global___TableSnapshot:
+        """The session's tables as a manifest of shared blocks (`exported` mode of
+        an environment whose state is a set of tables); set instead of
+        `snapshot`.
+        """
+
     def __init__(
         self,
         *,
@@ -109,14 +135,81 @@ class ResourcesSessionRecord(_message.Message):
         snapshot: _common_pb2.SessionSnapshot | None = ...,
         task: _common_pb2.Task | None = ...,
         replies: _abc.Iterable[Global___CachedToolReply] | None = ...,
+        tables: Global___TableSnapshot | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot", "tables", b"tables", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["replies", b"replies", "session_id", b"session_id", "snapshot", b"snapshot", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replies", b"replies", "session_id", b"session_id", "snapshot", b"snapshot", "tables", b"tables", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResourcesSessionRecord: _TypeAlias = ResourcesSessionRecord  # noqa: Y015
+
+@_typing.final
+class TableSnapshot(_message.Message):
+    """A session whose state is a set of tables: a manifest naming one
+    content-addressed block per table, the blocks stored as `TableBlock`
+    records beside it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FORMAT_NAME_FIELD_NUMBER: _builtins.int
+    FORMAT_VERSION_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    format_name: _builtins.str
+    """The environment's snapshot format (as `SessionSnapshot.format_name`),
+    for example `gymrpc.workplace.tables`; a reader refuses other formats.
+    """
+    format_version: _builtins.int
+    """Version of that format; a reader refuses versions it does not know."""
+    manifest: _builtins.bytes
+    """Canonical JSON of the session manifest (format `gymrpc.session-tables`
+    v1): each table's name mapped to the lowercase hex sha256 of its block,
+    the table codec, and the environment's own small JSON state.
+    """
+    def __init__(
+        self,
+        *,
+        format_name: _builtins.str = ...,
+        format_version: _builtins.int = ...,
+        manifest: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["format_name", b"format_name", "format_version", b"format_version", "manifest", b"manifest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TableSnapshot: _TypeAlias = TableSnapshot  # noqa: Y015
+
+@_typing.final
+class TableBlock(_message.Message):
+    """One encoded table, named by its hash and stored once per records file."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    """Lowercase hex sha256 of `data`; the name manifests use. A reader checks
+    it before decoding the block.
+    """
+    data: _builtins.bytes
+    """The table as an Arrow IPC stream (format `gymrpc.table.arrow` v1)."""
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TableBlock: _TypeAlias = TableBlock  # noqa: Y015
 
 @_typing.final
 class CachedToolReply(_message.Message):

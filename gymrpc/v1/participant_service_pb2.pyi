@@ -226,6 +226,7 @@ class GetStatusResponse(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     DETAILS_FIELD_NUMBER: _builtins.int
+    ENDPOINT_ID_FIELD_NUMBER: _builtins.int
     kind: Global___ParticipantKind.ValueType
     """Participant kind."""
     name: _builtins.str
@@ -236,6 +237,10 @@ class GetStatusResponse(_message.Message):
     """Open checkpoint, if any."""
     pid: _builtins.int
     """Process id of the server (diagnostics)."""
+    endpoint_id: _builtins.str
+    """Replica id behind `name` (`RegistryService` endpoint id; `0` without
+    replicas).
+    """
     @_builtins.property
     def lease_expire_time(self) -> _timestamp_pb2.Timestamp:
         """When the open checkpoint auto-aborts unless renewed."""
@@ -269,10 +274,11 @@ class GetStatusResponse(_message.Message):
         pid: _builtins.int = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         details: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        endpoint_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expire_time", b"lease_expire_time", "report", b"report", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "details", b"details", "kind", b"kind", "lease_expire_time", b"lease_expire_time", "name", b"name", "phase", b"phase", "pid", b"pid", "report", b"report", "retired", b"retired", "start_time", b"start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "details", b"details", "endpoint_id", b"endpoint_id", "kind", b"kind", "lease_expire_time", b"lease_expire_time", "name", b"name", "phase", b"phase", "pid", b"pid", "report", b"report", "retired", b"retired", "start_time", b"start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -397,12 +403,18 @@ class CommitRequest(_message.Message):
     CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
     EPISODE_IDS_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    EXPLICIT_SCOPE_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Prepared checkpoint."""
     checkpoint_dir: _builtins.str
     """Checkpoint root folder, visible to every participant."""
     stop: _builtins.bool
     """Park exported work for good (the stack is about to stop)."""
+    explicit_scope: _builtins.bool
+    """`episode_ids` is the whole scope even when empty: a commit that continues
+    nothing stores no episode. Controllers set it; unset keeps the older
+    meaning of an empty list (every parked episode).
+    """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """Absolute deadline of the write."""
@@ -410,7 +422,7 @@ class CommitRequest(_message.Message):
     @_builtins.property
     def episode_ids(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.EpisodeId]:
         """Every episode the controller continues; restored state outside it is
-        deleted. Empty means every parked episode.
+        deleted. With `explicit_scope` unset, empty means every parked episode.
         """
 
     def __init__(
@@ -421,10 +433,11 @@ class CommitRequest(_message.Message):
         checkpoint_dir: _builtins.str = ...,
         episode_ids: _abc.Iterable[_common_pb2.EpisodeId] | None = ...,
         stop: _builtins.bool = ...,
+        explicit_scope: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "episode_ids", b"episode_ids", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "episode_ids", b"episode_ids", "explicit_scope", b"explicit_scope", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -475,6 +488,7 @@ class CheckpointManifest(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
     RECORDS_FORMAT_FIELD_NUMBER: _builtins.int
+    ENDPOINT_ID_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Checkpoint id."""
     kind: Global___ParticipantKind.ValueType
@@ -493,6 +507,11 @@ class CheckpointManifest(_message.Message):
     """Version of the manifest layout; currently 1."""
     records_format: _builtins.str
     """Framing of the records file: `gymrpc.v1.CheckpointRecord/delimited`."""
+    endpoint_id: _builtins.str
+    """Replica of `name` that wrote it (its endpoint id). Replica `0` writes
+    into `<kind>/<instance>`, replica `k` into `<kind>/<instance>#k`; empty
+    in manifests written before replicas, which mean `0`.
+    """
     @_builtins.property
     def episode_ids(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.EpisodeId]:
         """Episodes the records hold."""
@@ -515,10 +534,11 @@ class CheckpointManifest(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         schema_version: _builtins.int = ...,
         records_format: _builtins.str = ...,
+        endpoint_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "create_time", b"create_time", "episode_ids", b"episode_ids", "kind", b"kind", "name", b"name", "record_count", b"record_count", "records_file", b"records_file", "records_format", b"records_format", "schema_version", b"schema_version", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "create_time", b"create_time", "endpoint_id", b"endpoint_id", "episode_ids", b"episode_ids", "kind", b"kind", "name", b"name", "record_count", b"record_count", "records_file", b"records_file", "records_format", b"records_format", "schema_version", b"schema_version", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -582,10 +602,18 @@ class RestoreRequest(_message.Message):
     DEADLINE_FIELD_NUMBER: _builtins.int
     CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
     EPISODE_IDS_FIELD_NUMBER: _builtins.int
+    SOURCE_ENDPOINT_IDS_FIELD_NUMBER: _builtins.int
+    ENDPOINT_IDS_FIELD_NUMBER: _builtins.int
+    ENDPOINT_ID_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Id of this restore (fences it like a checkpoint)."""
     checkpoint_dir: _builtins.str
     """Checkpoint root folder to read."""
+    endpoint_id: _builtins.str
+    """The replica this request is meant for. A participant with another
+    endpoint id answers UNAVAILABLE (the caller reached it at a stale
+    address and should resolve again). Empty: not checked.
+    """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """Absolute deadline."""
@@ -594,6 +622,27 @@ class RestoreRequest(_message.Message):
     def episode_ids(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.EpisodeId]:
         """Checkpointed attempts to continue; each comes back as attempt + 1."""
 
+    @_builtins.property
+    def source_endpoint_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replicas of this participant's name whose records to read, by the
+        endpoint id each had when it committed (`CheckpointManifest.endpoint_id`).
+        Every one must hold a manifest of the same checkpoint. Empty: only the
+        folder of this participant's own endpoint id.
+        """
+
+    @_builtins.property
+    def endpoint_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Endpoint ids of every replica of this participant's name that the
+        restore installs into, this one among them. When set, this participant
+        installs only the records placed on its own endpoint id, where clients
+        route their calls: the id with the greatest 8-byte BLAKE2b digest of
+        `<key> NUL <endpoint_id>` (UTF-8, compared as big-endian numbers;
+        rendezvous hashing, `gymrpc.balancing.place`), where key is the record's
+        affinity key: the session id of a resources session, else the rollout id
+        (`Run`, `Generate`). Records that belong to no session (shared table
+        blocks) are read on every replica. Empty: install every record read.
+        """
+
     def __init__(
         self,
         *,
@@ -601,10 +650,13 @@ class RestoreRequest(_message.Message):
         deadline: _timestamp_pb2.Timestamp | None = ...,
         checkpoint_dir: _builtins.str = ...,
         episode_ids: _abc.Iterable[_common_pb2.EpisodeId] | None = ...,
+        source_endpoint_ids: _abc.Iterable[_builtins.str] | None = ...,
+        endpoint_ids: _abc.Iterable[_builtins.str] | None = ...,
+        endpoint_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "episode_ids", b"episode_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "endpoint_id", b"endpoint_id", "endpoint_ids", b"endpoint_ids", "episode_ids", b"episode_ids", "source_endpoint_ids", b"source_endpoint_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,6 +21,7 @@ from typing import Any
 from gymrpc.client import Client
 from gymrpc.errors import GymrpcError
 from gymrpc.ids import check_service_name
+from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir
 from gymrpc.store import FilesystemEpisodeStore
 from gymrpc.v1 import agent_service_pb2 as pb
 from gymrpc.v1 import agent_service_pb2_grpc as pb_grpc
@@ -28,6 +29,7 @@ from servers.agent.durable import ResumeConfig
 from servers.agent.faults import CrashingResources, CrashPlan
 from servers.agent.participant import AgentParticipant
 from servers.agent.service import AgentConfig, AgentServicer
+from servers.agent.state import EpisodeState
 from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
 from servers.participant import add_participant_arguments, start_plane, wants_participant
 
@@ -112,10 +114,15 @@ def main() -> None:
             else ResumeConfig(completed_ttl=args.completed_ttl, require_policy_version=args.require_policy_version),
         )
         crash = CrashPlan.from_environ()
-        store = None
+        store, filesystem = None, ""
         if args.resume_dir is not None:
+            # Every operation the store relies on, tried once here: a folder that cannot hold
+            # checkpoints fails now, with the step, rather than at an episode's first boundary.
+            filesystem = check_checkpoint_dir(args.resume_dir)
             _raise_open_file_limit()  # one lock file per running episode
             store = FilesystemEpisodeStore(args.resume_dir, sync=args.resume_sync)
+    except CheckpointDirError as exc:
+        parser.exit(2, f"{parser.prog}: --resume-dir: {exc}\n")  # a usage error, as argparse's
     except GymrpcError as exc:
         parser.error(exc.message)
     except ValueError as exc:
@@ -131,14 +138,33 @@ def main() -> None:
         sweeper = None
         if store is not None:
             sweeper = asyncio.get_running_loop().create_task(_sweep(store))
-            log.info("durable resume on", extra={"resume_dir": str(store.root), "sync": args.resume_sync})
+            log.info(
+                "durable resume on",
+                extra={"resume_dir": str(store.root), "sync": args.resume_sync, "filesystem": filesystem},
+            )
         participant, plane, bindings = None, None, []
         if store is None and wants_participant(args, server_config):
-            participant = AgentParticipant()
+
+            async def refresh() -> None:
+                for name in (config.resources_name, config.model_name):
+                    await client.refresh(name)
+
+            participant = AgentParticipant(refresh)
             plane, control = start_plane(participant, server_config.name, args)
             bindings.append(control)
+
+        def failovers(state: EpisodeState) -> int:
+            moved = client.balancer.failovers
+            return moved(config.resources_name, state.session_id) + moved(config.model_name, state.rollout_id)
+
         servicer = AgentServicer(
-            config, resources, client.model(config.model_name), store=store, crash=crash, participant=participant
+            config,
+            resources,
+            client.model(config.model_name),
+            store=store,
+            crash=crash,
+            participant=participant,
+            failovers=failovers,
         )
         bindings.insert(
             0,

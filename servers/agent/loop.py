@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import grpc
@@ -56,6 +56,9 @@ class EpisodeLoop:
         resources, model: stubs of `ResourcesService` and `ModelService`.
         resources_name, model_name: their stable names, used in error messages.
         call_timeout: seconds one downstream call may take, retries included.
+        failovers: how many of an episode's calls moved to another replica so far (the stubs'
+            client knows: `gymrpc.balancing.Balancer.failovers`); copied into the state after
+            every transition, for `Trajectory.failovers`.
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class EpisodeLoop:
         resources_name: str = "resources",
         model_name: str = "model",
         call_timeout: float = 300.0,
+        failovers: Callable[[EpisodeState], int] | None = None,
     ) -> None:
         self.resources, self.model = resources, model
+        self.failovers = failovers
         self.resources_name, self.model_name = resources_name, model_name
         self.call_timeout = call_timeout
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -99,6 +104,12 @@ class EpisodeLoop:
 
     async def advance(self, state: EpisodeState) -> common_pb2.Message | None:
         """One transition from the current boundary to the next; returns the message it added last."""
+        message = await self._transition(state)
+        if self.failovers is not None:
+            state.failovers = self.failovers(state)
+        return message
+
+    async def _transition(self, state: EpisodeState) -> common_pb2.Message | None:
         match state.phase:
             case Phase.NEW:
                 return await self._seed(state)

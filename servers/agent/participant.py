@@ -13,7 +13,9 @@ What each hook means here (the contract is `gymrpc.control.participant`):
   bytes it was restored from (a second checkpoint equals the first).
 - stage/install: records are validated (DATA_LOSS on damage) and kept by attempt N+1;
   a re-dispatched `Run` of that attempt with the same task claims its record and continues
-  from the boundary. A `Run` of N+1 without a record starts over (a restart).
+  from the boundary. A `Run` of N+1 without a record starts over (a restart). Staging also
+  has the agent's client resolve its resources and model names again (`refresh`): a restore
+  may have put their sessions on replicas that registered after this agent last looked.
 - retire: the tasks of fenced episodes are cancelled (their `Run` ends with
   STALE_ATTEMPT), waited for, and unclaimed restored records of fenced attempts dropped.
 """
@@ -22,7 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
@@ -33,6 +36,8 @@ from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 from servers.agent.checkpoint import check_running, new_record, record_boundary, restore_state
 from servers.agent.state import EpisodeState, Phase
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,8 +59,10 @@ class _Live:
 class AgentParticipant(Participant):
     kind = Kind.AGENT
 
-    def __init__(self) -> None:
+    def __init__(self, refresh: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`refresh`: re-resolve the downstream names and forget session placements (`Client.refresh`)."""
         super().__init__()
+        self._refresh = refresh
         self._live: dict[EpisodeKey, _Live] = {}
         self._restored: dict[EpisodeKey, EpisodeCheckpoint] = {}
         """Restored records by the attempt that continues them, until a `Run` claims them."""
@@ -215,6 +222,11 @@ class AgentParticipant(Participant):
     async def stage(
         self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey]
     ) -> dict[EpisodeKey, EpisodeCheckpoint]:
+        if self._refresh is not None:
+            try:  # before any restored episode calls out: place its sessions among today's replicas
+                await self._refresh()
+            except GymrpcError as exc:
+                log.warning("could not resolve the resources and model names again: %s", exc)
         staged: dict[EpisodeKey, EpisodeCheckpoint] = {}
         for record in records:
             key = EpisodeKey.of(record.episode_id)

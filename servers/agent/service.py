@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,7 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
 
     `store` is required when `config.resume` is set; `crash` is fault injection for tests.
     `participant` (coordinated checkpoints, not with durable resume) gates and parks episodes.
+    `failovers` counts an episode's calls that moved replica (`EpisodeLoop`).
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
         store: EpisodeStore | None = None,
         crash: CrashPlan | None = None,
         participant: AgentParticipant | None = None,
+        failovers: Callable[[EpisodeState], int] | None = None,
     ) -> None:
         self.config = config
         self.loop = EpisodeLoop(
@@ -87,6 +89,7 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
             resources_name=config.resources_name,
             model_name=config.model_name,
             call_timeout=config.call_timeout,
+            failovers=failovers,
         )
         self._environment: resources_pb.ListToolsResponse | None = None
         self._environment_lock = asyncio.Lock()

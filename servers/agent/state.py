@@ -89,6 +89,9 @@ class EpisodeState:
     """Wall-clock seconds spent on the episode so far, across every process that ran it."""
     parked_s: float = 0.0
     """Seconds parked at a boundary for a checkpoint (coordinated checkpoints; 0 for now)."""
+    failovers: int = 0
+    """Calls of the episode that moved to another replica after one failed, as this process's client
+    counted them (`EpisodeLoop.failovers`); not checkpointed."""
 
     def __post_init__(self) -> None:
         if not ROLLOUT_ID.fullmatch(self.rollout_id):
@@ -149,4 +152,5 @@ class EpisodeState:
             policy_version=policy_version,
             usage=self.usage,
             timing=common_pb2.Timing(total=duration(self.elapsed_s), parked=duration(self.parked_s)),
+            failovers=self.failovers,
         )

@@ -209,8 +209,6 @@ class ModelParticipant(Participant):
             episode = EpisodeKey.of(record.episode_id)
             if record.WhichOneof("body") != "model_episode":
                 raise DataLoss(f"the record of {episode} is not a model episode; nothing was installed")
-            if episode.next() in staged:
-                raise DataLoss(f"{episode} appears twice in the checkpoint; nothing was installed")
             body = record.model_episode
             for row in body.rows:
                 trace = row.tokens
@@ -221,7 +219,7 @@ class ModelParticipant(Participant):
                     cut.prefix_logprobs and len(cut.prefix_logprobs) != len(cut.prefix_token_ids)
                 ):
                     raise DataLoss(f"a generation cut of {episode} is malformed; nothing was installed")
-            staged[episode.next()] = (list(body.rows), list(body.cuts))
+            _merge(staged.setdefault(episode.next(), ([], [])), body)
         for episode in scope:
             staged.setdefault(episode.next(), ([], []))
         return staged
@@ -253,3 +251,18 @@ class ModelParticipant(Participant):
 
     def details(self) -> dict[str, str]:
         return {"backend": self.backend.name, "ledger_tokens": str(self.ledger.tokens())}
+
+
+def _merge(into: tuple[list[rec_pb.CaptureRow], list[rec_pb.GenerationCut]], body: rec_pb.ModelEpisodeRecord) -> None:
+    """Add one record's rows and cuts to an episode's, each once.
+
+    A restore that reads every model replica's records sees an episode once per replica that
+    knew it (each exports one record per episode of the commit scope, most of them empty, and
+    an episode whose calls failed over has rows on both): rows merge by request id, cuts by
+    digest and request id, in the order the records were read.
+    """
+    rows, cuts = into
+    seen = {r.request_id for r in rows}
+    rows.extend(r for r in body.rows if r.request_id not in seen)
+    known = {(c.request_digest, c.source_request_id) for c in cuts}
+    cuts.extend(c for c in body.cuts if (c.request_digest, c.source_request_id) not in known)

@@ -2,7 +2,11 @@
 
 Modes, declared by the environment (`Environment.checkpoint_mode`):
 - `exported`: sessions are snapshotted with `Session.export` and restored with
-  `Environment.restore`;
+  `Environment.restore`; a `TableEnvironment` (workplace) instead stores one manifest per
+  session and each distinct table block once, as `table_block` records of the same records
+  file (so the manifest's sha256 covers them): untouched sessions share their seed blocks
+  and cost a few hundred bytes each. Its restore checks every block's hash, decodes each
+  once and builds every session before installing any;
 - `stateless`: a record keeps the session id and its seed task; restore seeds it again;
 - `restart_only`: nothing is checkpointed; live sessions are reported as restarts (and a
   commit naming one fails with RESTART_IN_SCOPE), calls never block a prepare, and only
@@ -15,14 +19,17 @@ crash the restored agent verifies again).
 
 The data plane is gated by wrapping the servicer's methods (`gate_servicer`), so the
 servicer itself stays free of checkpoint logic. A server is ready when no blocking call
-is in flight.
+is in flight. A session whose last verify raised is left out of exports (its episode
+failed; as the reference, where such a verify drops the session). Session exports and
+restores run in worker threads (inline only for `runs_inline` environments).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +37,16 @@ import grpc
 
 from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.control.admission import WhenClosed
-from gymrpc.envkit import CheckpointMode, SnapshotCorrupt, SnapshotUnsupported, StepResult, ToolResult
+from gymrpc.envkit import (
+    CheckpointMode,
+    SnapshotCorrupt,
+    SnapshotFormat,
+    SnapshotUnsupported,
+    StepResult,
+    TableEnvironment,
+    TableSession,
+    ToolResult,
+)
 from gymrpc.errors import DataLoss, FailedPrecondition, GymrpcError
 from gymrpc.ids import check_id
 from gymrpc.messages import task_spec, tool_definition
@@ -71,6 +87,10 @@ class ResourcesParticipant(Participant):
         if self.mode is CheckpointMode.EXPORTED and self.environment.snapshot_format is None:
             raise ValueError(f"{self.environment.name}: mode exported needs a snapshot_format")
         self.verify = verify
+        self.tables: TableEnvironment | None = None
+        """Set when exported sessions are table sets: checkpoints then share their blocks."""
+        if self.mode is CheckpointMode.EXPORTED and isinstance(self.environment, TableEnvironment):
+            self.tables = self.environment
         self._tasks: dict[str, common_pb2.Task] = {}
         """Seed tasks by session id (stateless mode re-seeds them on restore)."""
         self._pending: dict[str, EpisodeKey] = {}
@@ -118,9 +138,14 @@ class ResourcesParticipant(Participant):
     # -- readiness ---------------------------------------------------------------------------
 
     def readiness(self) -> Report:
-        counts = {"sessions": len(self.host), "restored_pending": len(self._pending)}
+        live = self.host.live()
+        counts = {
+            "sessions": len(live),
+            "restored_pending": len(self._pending),
+            "verify_failed": sum(slot.verify_failed for slot in live.values()),
+        }
         if self.mode is CheckpointMode.RESTART_ONLY:
-            restarts = {_key(s.episode) for s in self.host.live().values()}
+            restarts = {_key(s.episode) for s in live.values()}
             return Report(restarts=tuple(sorted(restarts)), counts=counts)
         in_flight = self.admission.in_flight()
         counts["in_flight"] = len(in_flight)
@@ -131,22 +156,25 @@ class ResourcesParticipant(Participant):
     async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
         if self.mode is CheckpointMode.RESTART_ONLY:
             return []
+        chosen = [
+            (session_id, slot)
+            for session_id, slot in sorted(self.host.live().items())
+            if (scope is None or _key(slot.episode) in scope) and not slot.verify_failed
+        ]
+        if self.tables is not None:
+            return await self._export_tables(chosen)
         records = []
-        for session_id, slot in sorted(self.host.live().items()):
-            episode = _key(slot.episode)
-            if scope is not None and episode not in scope:
-                continue
+        for session_id, slot in chosen:
             body = rec_pb.ResourcesSessionRecord(session_id=session_id, replies=_replies(slot))
             if self.mode is CheckpointMode.EXPORTED:
                 body.snapshot.CopyFrom(await self._snapshot(session_id, slot))
             elif session_id in self._tasks:
                 body.task.CopyFrom(self._tasks[session_id])
-            records.append(rec_pb.CheckpointRecord(episode_id=episode.to_pb(), resources_session=body))
+            records.append(rec_pb.CheckpointRecord(episode_id=_key(slot.episode).to_pb(), resources_session=body))
         return records
 
     async def _snapshot(self, session_id: str, slot: Slot) -> common_pb2.SessionSnapshot:
-        fmt = self.environment.snapshot_format
-        assert fmt is not None
+        fmt = self.host.require_snapshots()
         try:
             payload = await self.host.run(slot.session.export)
         except SnapshotUnsupported as exc:
@@ -159,6 +187,19 @@ class ResourcesParticipant(Participant):
             payload=payload,
             sha256=hashlib.sha256(payload).hexdigest(),
         )
+
+    async def _export_tables(self, chosen: Sequence[tuple[str, Slot]]) -> list[rec_pb.CheckpointRecord]:
+        """A manifest record per session, then each distinct block once; encoding runs in a thread."""
+        fmt = self.host.require_snapshots()
+        items = []
+        for session_id, slot in chosen:
+            if not isinstance(slot.session, TableSession):
+                raise FailedPrecondition(
+                    f"session {session_id!r} of table environment {self.environment.name!r} cannot export tables",
+                    reason="SNAPSHOT_UNSUPPORTED",
+                )
+            items.append(_TableItem(session_id, _key(slot.episode), slot.session, _replies(slot)))
+        return await asyncio.to_thread(_table_records, fmt, items)
 
     async def delete_restored(self, scope: Scope) -> None:
         if scope is None:
@@ -174,15 +215,31 @@ class ResourcesParticipant(Participant):
             return f"it holds or held {len(self.host.live())} sessions"
         return super().not_fresh()
 
+    def select(
+        self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey]
+    ) -> list[rec_pb.CheckpointRecord]:
+        """Table blocks are shared by sessions of any episode: a restore of some episodes keeps them all."""
+        return [r for r in records if r.HasField("table_block") or EpisodeKey.of(r.episode_id) in scope]
+
+    def placement_key(self, record: rec_pb.CheckpointRecord) -> str | None:
+        """Restore onto replicas: a session goes where its calls go (by session id); a record that is
+        not a session (a shared table block) goes to every replica."""
+        if record.WhichOneof("body") == "resources_session":
+            return record.resources_session.session_id
+        return None
+
     async def stage(self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey]) -> _Staged:
         staged = _Staged()
         if self.mode is CheckpointMode.RESTART_ONLY:
             if records:
                 raise DataLoss(f"{len(records)} records for a restart_only environment; nothing was installed")
             return staged
-        slots, tasks = staged.slots, staged.tasks
-        reply = pb.SeedSessionResponse(tools=[tool_definition(t) for t in self.environment.tools()])
+        blocks: dict[str, bytes] = {}
+        bodies: dict[str, tuple[rec_pb.CheckpointRecord, rec_pb.ResourcesSessionRecord]] = {}
         for record in records:
+            if record.HasField("table_block") and self.tables is not None:
+                blocks.setdefault(record.table_block.sha256, record.table_block.data)  # checked when fetched
+                continue
             if record.WhichOneof("body") != "resources_session":
                 raise DataLoss(f"a record of {record.episode_id.rollout_id!r} is not a resources session")
             body = record.resources_session
@@ -190,16 +247,22 @@ class ResourcesParticipant(Participant):
                 session_id = check_id(body.session_id, "session_id")
             except GymrpcError:
                 raise DataLoss(f"a record holds an invalid session id {body.session_id[:100]!r}") from None
-            if session_id in slots:
+            if session_id in bodies:
                 raise DataLoss(f"session {session_id!r} appears twice in the checkpoint")
+            bodies[session_id] = (record, body)
+        if self.tables is not None:
+            sessions = await self._decode_tables(self.tables, {sid: body for sid, (_, body) in bodies.items()}, blocks)
+        else:
+            sessions = {sid: await self._decode(sid, body) for sid, (_, body) in bodies.items()}
+        reply = pb.SeedSessionResponse(tools=[tool_definition(t) for t in self.environment.tools()])
+        for session_id, (record, body) in bodies.items():
             nxt = EpisodeKey.of(record.episode_id).next()
-            session = await self._decode(session_id, body)
-            slot = Slot(session, HostKey(*nxt), f"restored:{record.episode_id.rollout_id}", reply)
+            slot = Slot(sessions[session_id], HostKey(*nxt), f"restored:{record.episode_id.rollout_id}", reply)
             for cached in body.replies:
                 slot.results[cached.key] = _result(cached)
-            slots[session_id] = slot
+            staged.slots[session_id] = slot
             if self.mode is CheckpointMode.STATELESS:
-                tasks[session_id] = body.task
+                staged.tasks[session_id] = body.task
         return staged
 
     async def _decode(self, session_id: str, body: rec_pb.ResourcesSessionRecord) -> Any:
@@ -209,24 +272,38 @@ class ResourcesParticipant(Participant):
             except Exception as exc:
                 raise DataLoss(f"session {session_id!r}: its seed task no longer seeds: {exc}") from None
             return session
-        snap, fmt = body.snapshot, self.environment.snapshot_format
-        assert fmt is not None
-        if (snap.protocol_version, snap.format_name, snap.format_version) != (
-            SNAPSHOT_PROTOCOL_VERSION,
-            fmt.name,
-            fmt.version,
-        ):
-            raise FailedPrecondition(
-                f"session {session_id!r}: snapshot format {snap.format_name} v{snap.format_version} cannot be read "
-                f"by this server ({fmt.name} v{fmt.version}); nothing was installed",
-                reason="SNAPSHOT_FORMAT_MISMATCH",
-            )
+        snap, fmt = body.snapshot, self.host.require_snapshots()
+        _check_format(session_id, fmt, snap.format_name, snap.format_version, snap.protocol_version)
         if hashlib.sha256(snap.payload).hexdigest() != snap.sha256:
             raise DataLoss(f"session {session_id!r}: snapshot fails its sha256 check; nothing was installed")
         try:
             return await self.host.run(self.environment.restore, snap.payload)
         except SnapshotCorrupt as exc:
             raise DataLoss(f"session {session_id!r}: snapshot does not decode: {exc}; nothing was installed") from None
+
+    async def _decode_tables(
+        self,
+        tables: TableEnvironment,
+        bodies: Mapping[str, rec_pb.ResourcesSessionRecord],
+        blocks: Mapping[str, bytes],
+    ) -> dict[str, Any]:
+        """Every session from its manifest and the shared blocks, in a thread; DATA_LOSS naming each problem.
+
+        Records holding a self-contained `snapshot` instead (written before table blocks) still restore.
+        """
+        fmt = self.host.require_snapshots()
+        manifests: dict[str, bytes] = {}
+        sessions: dict[str, Any] = {}
+        for session_id, body in bodies.items():
+            if not body.HasField("tables"):
+                sessions[session_id] = await self._decode(session_id, body)
+                continue
+            snap = body.tables
+            _check_format(session_id, fmt, snap.format_name, snap.format_version)
+            manifests[session_id] = snap.manifest
+        if manifests:
+            sessions.update(await asyncio.to_thread(_build_tables, tables, manifests, blocks))
+        return sessions
 
     async def install(self, staged: _Staged) -> list[EpisodeKey]:
         self.host.install(staged.slots)
@@ -252,6 +329,72 @@ class ResourcesParticipant(Participant):
 
     def details(self) -> dict[str, str]:
         return {"mode": self.mode.value, "verify": self.verify, "environment": self.environment.name}
+
+
+@dataclass(frozen=True)
+class _TableItem:
+    """What a table export needs of one session, taken on the event loop."""
+
+    session_id: str
+    episode: EpisodeKey
+    session: TableSession
+    replies: list[rec_pb.CachedToolReply]
+
+
+def _table_records(fmt: SnapshotFormat, items: Sequence[_TableItem]) -> list[rec_pb.CheckpointRecord]:
+    """Worker thread: export every session's tables, keep each distinct block once (`collect`)."""
+    from gymrpc.snapshots import collect
+
+    exports = {}
+    for item in items:
+        try:
+            exports[item.session_id] = item.session.export_tables()
+        except SnapshotUnsupported as exc:
+            raise FailedPrecondition(f"session {item.session_id!r}: {exc}", reason="SNAPSHOT_UNSUPPORTED") from None
+    bundle = collect(exports)
+    records: list[rec_pb.CheckpointRecord] = []
+    first: dict[str, EpisodeKey] = {}
+    for item in items:
+        manifest = bundle.manifests[item.session_id]
+        snapshot = rec_pb.TableSnapshot(format_name=fmt.name, format_version=fmt.version, manifest=manifest.to_json())
+        body = rec_pb.ResourcesSessionRecord(session_id=item.session_id, replies=item.replies, tables=snapshot)
+        records.append(rec_pb.CheckpointRecord(episode_id=item.episode.to_pb(), resources_session=body))
+        for digest in manifest.digests():
+            first.setdefault(digest, item.episode)
+    for digest, data in bundle.blocks.items():  # filed under the first episode naming it (see select)
+        block = rec_pb.TableBlock(sha256=digest, data=data)
+        records.append(rec_pb.CheckpointRecord(episode_id=first[digest].to_pb(), table_block=block))
+    return records
+
+
+def _build_tables(
+    environment: TableEnvironment, manifests: Mapping[str, bytes], blocks: Mapping[str, bytes]
+) -> dict[str, TableSession]:
+    """Worker thread: check every block's hash, decode each once, build every session, or DATA_LOSS naming each."""
+    from gymrpc.snapshots import CheckpointInvalid, parse_records, restore_sessions
+
+    try:
+        return restore_sessions(
+            parse_records(manifests),
+            blocks.__getitem__,
+            lambda _sid, exported, tables: environment.build_session(exported, tables),
+            environment.known_frames(),
+        )
+    except CheckpointInvalid as exc:
+        raise DataLoss(
+            f"{exc}; nothing was installed", metadata={"sessions": ",".join(sorted(exc.problems)[:10])}
+        ) from None
+
+
+def _check_format(session_id: str, fmt: SnapshotFormat, name: str, version: int, protocol: int | None = None) -> None:
+    """FAILED_PRECONDITION when a record was written in a snapshot format this server does not read."""
+    if (name, version) == (fmt.name, fmt.version) and protocol in (None, SNAPSHOT_PROTOCOL_VERSION):
+        return
+    raise FailedPrecondition(
+        f"session {session_id!r}: snapshot format {name} v{version} cannot be read by this server "
+        f"({fmt.name} v{fmt.version}); nothing was installed",
+        reason="SNAPSHOT_FORMAT_MISMATCH",
+    )
 
 
 def _replies(slot: Slot) -> list[rec_pb.CachedToolReply]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 
 import grpc
 
@@ -58,7 +59,7 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
         spec = task_spec(request.task)
         fingerprint = "sha256:" + hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
 
-        def reply(observations: list[str]) -> pb.SeedSessionResponse:
+        def reply(observations: Sequence[str]) -> pb.SeedSessionResponse:
             return pb.SeedSessionResponse(
                 tools=self._tools,
                 observations=[common_pb2.Message(role=common_pb2.ROLE_USER, content=o) for o in observations],
@@ -131,9 +132,8 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
     async def CheckpointSession(
         self, request: pb.CheckpointSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckpointSessionResponse:
+        fmt = self.host.require_snapshots()
         payload = await self.host.export(check_id(request.session_id, "session_id"), episode_key(request.episode_id))
-        fmt = self.environment.snapshot_format
-        assert fmt is not None  # export() refused otherwise
         return pb.CheckpointSessionResponse(
             snapshot=common_pb2.SessionSnapshot(
                 protocol_version=SNAPSHOT_PROTOCOL_VERSION,
@@ -150,9 +150,8 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
     ) -> pb.RestoreSessionResponse:
         session_id = check_id(request.session_id, "session_id")
         episode = episode_key(request.episode_id)
-        self.host.require_snapshots()
-        snap, fmt = request.snapshot, self.environment.snapshot_format
-        assert fmt is not None
+        fmt = self.host.require_snapshots()
+        snap = request.snapshot
         if snap.protocol_version != SNAPSHOT_PROTOCOL_VERSION:
             raise FailedPrecondition(
                 f"snapshot protocol_version {snap.protocol_version} is not supported (expected "

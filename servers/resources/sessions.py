@@ -20,6 +20,7 @@ from gymrpc.envkit import (
     InvalidTask,
     Session,
     SnapshotCorrupt,
+    SnapshotFormat,
     SnapshotUnsupported,
     StepResult,
     TaskSpec,
@@ -51,6 +52,8 @@ class Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     results: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     """Replies by de-duplication key (`call:<id>`, `turn:<id>`): a retry returns the first reply."""
+    verify_failed: bool = False
+    """The last `verify` raised: the episode failed, so coordinated checkpoints leave the session out."""
 
 
 class SessionHost:
@@ -196,7 +199,13 @@ class SessionHost:
     async def verify(self, session_id: str, episode: EpisodeKey, messages: Sequence[Mapping[str, Any]]) -> VerifyResult:
         slot = self.slot(session_id, episode)
         async with slot.lock:
-            return await self.run(slot.session.verify, messages)
+            try:
+                result = await self.run(slot.session.verify, messages)
+            except Exception:  # not a cancelled call: the verify itself may still finish
+                slot.verify_failed = True
+                raise
+            slot.verify_failed = False
+            return result
 
     @staticmethod
     def _remember(slot: Slot, key: str, result: Any) -> None:
@@ -207,13 +216,16 @@ class SessionHost:
 
     # -- snapshots -----------------------------------------------------------------------
 
-    def require_snapshots(self) -> None:
-        if self.environment.snapshot_format is None:
+    def require_snapshots(self) -> SnapshotFormat:
+        """The environment's snapshot format, or FAILED_PRECONDITION when it cannot snapshot sessions."""
+        fmt = self.environment.snapshot_format
+        if fmt is None:
             raise FailedPrecondition(
                 f"environment {self.environment.name!r} cannot snapshot sessions",
                 reason="SNAPSHOT_UNSUPPORTED",
                 metadata={"environment": self.environment.name},
             )
+        return fmt
 
     async def export(self, session_id: str, episode: EpisodeKey) -> bytes:
         self.require_snapshots()

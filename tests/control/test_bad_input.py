@@ -287,6 +287,66 @@ def test_bad_restores_are_refused_and_install_nothing(tmp_path: Path) -> None:
     run(main())
 
 
+Refusal = tuple[str, Any, grpc.StatusCode, str]
+"""One refused call: method, request, status code, reason."""
+
+
+def _idle_cases(root: str) -> list[Refusal]:
+    """Idle: nothing to commit or renew; malformed ids and requests are refused."""
+    cases: list[Refusal] = [
+        ("Commit", pb.CommitRequest(checkpoint_id="c9", deadline=soon(), checkpoint_dir=root), FAILED, "INVALID_PHASE"),
+        ("Renew", pb.RenewRequest(checkpoint_id="c9", deadline=soon()), FAILED, "INVALID_PHASE"),
+        ("Retire", pb.RetireRequest(checkpoint_id="op", deadline=soon()), INVALID, "INVALID_REQUEST"),
+        ("Prepare", pb.PrepareRequest(checkpoint_id="c9"), INVALID, "INVALID_REQUEST"),
+    ]
+    for bad in BAD_IDS:
+        cases += [
+            ("Prepare", pb.PrepareRequest(checkpoint_id=bad, deadline=soon()), INVALID, "INVALID_REQUEST"),
+            ("Resume", pb.ResumeRequest(checkpoint_id=bad), INVALID, "INVALID_REQUEST"),
+            ("Forget", pb.ForgetRequest(checkpoint_id="op", rollout_ids=[bad]), INVALID, "INVALID_REQUEST"),
+            (
+                "Retire",
+                pb.RetireRequest(
+                    checkpoint_id="op", deadline=soon(), episode_ids=[common_pb2.EpisodeId(rollout_id=bad)]
+                ),
+                INVALID,
+                "INVALID_REQUEST",
+            ),
+        ]
+    return cases
+
+
+def _prepared_cases(root: str) -> list[Refusal]:
+    """Prepared as c1: another id conflicts, retire/forget/restore are in the wrong phase, dirs are checked."""
+    conflict, phase = (ABORTED, "CHECKPOINT_CONFLICT"), (FAILED, "INVALID_PHASE")
+    return [
+        ("Prepare", pb.PrepareRequest(checkpoint_id="c2", deadline=soon()), *conflict),
+        ("Commit", pb.CommitRequest(checkpoint_id="c2", deadline=soon(), checkpoint_dir=root), *conflict),
+        ("Resume", pb.ResumeRequest(checkpoint_id="c2"), *conflict),
+        ("Restore", restore_request(root, "c1"), *phase),
+        ("Retire", pb.RetireRequest(checkpoint_id="op", deadline=soon(), episode_ids=[E0.to_pb()]), *phase),
+        ("Forget", pb.ForgetRequest(checkpoint_id="op", rollout_ids=["e0"]), *phase),
+    ] + [
+        (
+            "Commit",
+            pb.CommitRequest(checkpoint_id="c1", deadline=soon(), checkpoint_dir=bad),
+            INVALID,
+            "INVALID_REQUEST",
+        )
+        for bad in BAD_DIRS
+    ]
+
+
+def _resumed_cases(root: str) -> list[Refusal]:
+    """Committed and resumed c1: the id is stale for good."""
+    stale = (FAILED, "STALE_CHECKPOINT")
+    return [
+        ("Prepare", pb.PrepareRequest(checkpoint_id="c1", deadline=soon()), *stale),
+        ("Commit", pb.CommitRequest(checkpoint_id="c1", deadline=soon(), checkpoint_dir=root), *stale),
+        ("Restore", restore_request(root, "c1"), *stale),
+    ]
+
+
 def test_ids_phases_and_fencing_are_refused_and_change_nothing(tmp_path: Path) -> None:
     async def main() -> None:
         deployment = await Deployment.start(NAMES)
@@ -295,106 +355,20 @@ def test_ids_phases_and_fencing_are_refused_and_change_nothing(tmp_path: Path) -
         root = str(tmp_path / "ckpt")
         try:
 
-            async def unchanged(name: str, method: str, request: Any, code: grpc.StatusCode, reason: str) -> None:
-                files, before = tree(tmp_path), await state(deployment)
-                await raw.refused(name, method, request, code, reason)
-                assert tree(tmp_path) == files, f"{method} changed files"
-                assert await state(deployment) == before, f"{method} changed {name}"
+            async def each_unchanged(cases: Callable[[str], list[Refusal]]) -> None:
+                for name in NAMES:  # fresh deadlines for each participant
+                    for method, request, code, reason in cases(root):
+                        files, before = tree(tmp_path), await state(deployment)
+                        await raw.refused(name, method, request, code, reason)
+                        assert tree(tmp_path) == files, f"{method} changed files"
+                        assert await state(deployment) == before, f"{method} changed {name}"
 
-            for name in NAMES:
-                # Idle: nothing to commit, renew or resume-conflict with.
-                await unchanged(
-                    name,
-                    "Commit",
-                    pb.CommitRequest(checkpoint_id="c9", deadline=soon(), checkpoint_dir=root),
-                    FAILED,
-                    "INVALID_PHASE",
-                )
-                await unchanged(
-                    name, "Renew", pb.RenewRequest(checkpoint_id="c9", deadline=soon()), FAILED, "INVALID_PHASE"
-                )
-                for bad in BAD_IDS:
-                    await unchanged(
-                        name,
-                        "Prepare",
-                        pb.PrepareRequest(checkpoint_id=bad, deadline=soon()),
-                        INVALID,
-                        "INVALID_REQUEST",
-                    )
-                    await unchanged(name, "Resume", pb.ResumeRequest(checkpoint_id=bad), INVALID, "INVALID_REQUEST")
-                    await unchanged(
-                        name,
-                        "Forget",
-                        pb.ForgetRequest(checkpoint_id="op", rollout_ids=[bad]),
-                        INVALID,
-                        "INVALID_REQUEST",
-                    )
-                    await unchanged(
-                        name,
-                        "Retire",
-                        pb.RetireRequest(
-                            checkpoint_id="op", deadline=soon(), episode_ids=[common_pb2.EpisodeId(rollout_id=bad)]
-                        ),
-                        INVALID,
-                        "INVALID_REQUEST",
-                    )
-                await unchanged(
-                    name, "Retire", pb.RetireRequest(checkpoint_id="op", deadline=soon()), INVALID, "INVALID_REQUEST"
-                )
-                await unchanged(name, "Prepare", pb.PrepareRequest(checkpoint_id="c9"), INVALID, "INVALID_REQUEST")
-
+            await each_unchanged(_idle_cases)
             assert (await deployment.controller.prepare("c1", timeout=10)).prepared
-            for name in NAMES:
-                # Prepared: another id conflicts, retire/forget/restore are in the wrong phase, dirs are checked.
-                await unchanged(
-                    name,
-                    "Prepare",
-                    pb.PrepareRequest(checkpoint_id="c2", deadline=soon()),
-                    ABORTED,
-                    "CHECKPOINT_CONFLICT",
-                )
-                await unchanged(
-                    name,
-                    "Commit",
-                    pb.CommitRequest(checkpoint_id="c2", deadline=soon(), checkpoint_dir=root),
-                    ABORTED,
-                    "CHECKPOINT_CONFLICT",
-                )
-                await unchanged(name, "Resume", pb.ResumeRequest(checkpoint_id="c2"), ABORTED, "CHECKPOINT_CONFLICT")
-                await unchanged(name, "Restore", restore_request(root, "c1"), FAILED, "INVALID_PHASE")
-                await unchanged(
-                    name,
-                    "Retire",
-                    pb.RetireRequest(checkpoint_id="op", deadline=soon(), episode_ids=[E0.to_pb()]),
-                    FAILED,
-                    "INVALID_PHASE",
-                )
-                await unchanged(
-                    name, "Forget", pb.ForgetRequest(checkpoint_id="op", rollout_ids=["e0"]), FAILED, "INVALID_PHASE"
-                )
-                for bad in BAD_DIRS:
-                    await unchanged(
-                        name,
-                        "Commit",
-                        pb.CommitRequest(checkpoint_id="c1", deadline=soon(), checkpoint_dir=bad),
-                        INVALID,
-                        "INVALID_REQUEST",
-                    )
+            await each_unchanged(_prepared_cases)
             await deployment.controller.commit("c1", root, [E0])
             await deployment.controller.resume("c1")
-            for name in NAMES:
-                # Resumed: the id is stale for good.
-                await unchanged(
-                    name, "Prepare", pb.PrepareRequest(checkpoint_id="c1", deadline=soon()), FAILED, "STALE_CHECKPOINT"
-                )
-                await unchanged(
-                    name,
-                    "Commit",
-                    pb.CommitRequest(checkpoint_id="c1", deadline=soon(), checkpoint_dir=root),
-                    FAILED,
-                    "STALE_CHECKPOINT",
-                )
-                await unchanged(name, "Restore", restore_request(root, "c1"), FAILED, "STALE_CHECKPOINT")
+            await each_unchanged(_resumed_cases)
             # A second commit into the same folder under another id conflicts with the manifest there.
             assert (await deployment.controller.prepare("c2", timeout=10)).prepared
             files = tree(tmp_path)

@@ -163,7 +163,36 @@ def test_affinity_under_load_and_an_agent_replica_failover(
     moved = {e for e, where in placed.items() if where == "0"}
     assert moved, f"no episode ran on the killed replica: {placed}"
     for e, trajectory in results.items():
-        assert (failovers[e], trajectory.resume_count) == ((1, 1) if e in moved else (0, 0)), e
+        expected = (1, 1, 1) if e in moved else (0, 0, 0)
+        assert (failovers[e], trajectory.failovers, trajectory.resume_count) == expected, e
+
+
+def test_replicas_on_both_nodes_checkpointed_killed_and_restored_onto_other_replica_counts(
+    ray_cluster: RayCluster, start_stack: Any, run_dir: Path
+) -> None:
+    """Agents and resources x2 spread over both nodes are checkpointed, every process is SIGKILLed, and
+    a stack with agents x1, resources x3 and model x2 is restored from it: each record lands on the
+    replica clients route its calls to, and every episode ends as an uninterrupted one."""
+    from tests.control import replica_stack
+
+    def start(config: dict[str, Any]) -> Any:
+        for server in config["servers"]:
+            server.update(SMALL)
+        stack = start_stack(ray_stack(ray_cluster, config, run_dir))
+        nodes: dict[str, set[str]] = {}
+        for state in stack.state()["servers"]:
+            nodes.setdefault(state["name"].partition("#")[0], set()).add(state["node"])
+        for server in config["servers"]:
+            if server["replicas"] > 1:
+                assert nodes[server["name"]] == {HEAD_IP, WORKER_IP}, server["name"]  # spread over both nodes
+        return stack
+
+    replica_stack.run_scenario(
+        start,
+        run_dir,
+        before={"agent/simple": 2, "resources/counter": 2, "model/policy": 1},
+        after={"agent/simple": 1, "resources/counter": 3, "model/policy": 2},
+    )
 
 
 def test_coordinated_checkpoint_across_both_nodes_survives_killing_every_server(

@@ -15,10 +15,15 @@ from typing import Any
 import pytest
 import yaml
 
+from envs.counter import example_tasks_path
+from gymrpc.balancing import place
 from gymrpc.client import Client
 from gymrpc.launch.spec import parse_stack_spec
 from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir, write_marker
+from gymrpc.rollouts import EpisodeResult, Summary, load_tasks
+from servers.agent.state import session_id_for
 from tests.ray import episodes, sessions
+from tests.resume.helpers import POLICY
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_RESTARTS = {"max_restarts": 0}
@@ -90,7 +95,14 @@ def test_an_agent_replica_killed_mid_episode_its_episodes_resume_on_the_other(st
     assert moved, f"no episode ran on the killed replica: {placed}"
     assert moved != set(tasks), f"every episode ran on the killed replica: {placed}"
     for e, trajectory in results.items():
-        assert (failovers[e], trajectory.resume_count) == ((1, 1) if e in moved else (0, 0)), e
+        # The trajectory counts the move of its `Run` (its model and resources calls did not move).
+        expected = (1, 1, 1) if e in moved else (0, 0, 0)
+        assert (failovers[e], trajectory.failovers, trajectory.resume_count) == expected, e
+    # `gymrpc rollouts` reports them in its summary.
+    task = load_tasks(example_tasks_path())[0]
+    summary = Summary([EpisodeResult(task, 0, "agent/simple", POLICY, 0.0, 1.0, t) for t in results.values()], 1.0, 8)
+    assert summary.to_json()["failovers"] == len(moved)
+    assert f"failovers {len(moved)} calls of {len(moved)} episodes moved to another replica" in summary.lines()
 
 
 @pytest.mark.slow
@@ -107,6 +119,10 @@ def test_a_resources_replica_killed_the_agent_restores_its_sessions_on_the_other
 
     results = asyncio.run(scenario())
     episodes.check_results(results, tasks)
+    # Sessions were placed by rendezvous hashing over both replicas: those on replica 0 moved once.
+    moved = {e for e in tasks if place(session_id_for(e, 0), ["0", "1"]) == "0"}
+    assert moved, "no session was on the killed replica"
+    assert {e: t.failovers for e, t in results.items()} == {e: int(e in moved) for e in tasks}
     log = (run_dir / "logs" / "agent__simple.log").read_text()
     assert "replica unavailable; its sessions move to other replicas" in log
     assert "the resources session was lost; continuing from the last checkpoint" in log
@@ -128,6 +144,19 @@ def test_a_checkpoint_folder_that_cannot_be_created_fails_up_with_the_folder_and
     )
     assert result.returncode == 1
     assert f"agent/simple: checkpoint folder {run_dir / 'file' / 'store'}" in result.stderr
+    assert "cannot create the folder" in result.stderr
+
+
+def test_an_agent_whose_resume_dir_is_unusable_exits_at_start_with_the_folder_and_the_step(run_dir: Path) -> None:
+    """The agent checks its own folder too (started by hand, or by a launcher that does not check)."""
+    (run_dir / "file").write_text("not a folder")
+    folder = run_dir / "file" / "store"
+    argv = ["--registry", f"unix:{run_dir}/none.sock", "--resume-dir", str(folder)]
+    result = subprocess.run(
+        [sys.executable, "-m", "servers.agent", *argv], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"--resume-dir: checkpoint folder {folder} on " in result.stderr
     assert "cannot create the folder" in result.stderr
 
 

@@ -259,7 +259,7 @@ def test_agent_process_refuses_a_resources_server_without_snapshots(start_stack:
 @pytest.mark.parametrize(
     ("env", "argv", "message"),
     [
-        ({}, ["--resume-dir", "/proc/no-such-folder"], "--resume-dir /proc/no-such-folder"),
+        ({}, ["--resume-dir", "/proc/no-such-folder"], "--resume-dir: checkpoint folder /proc/no-such-folder"),
         ({"GYMRPC_CRASH_AT": "after_lunch"}, [], "GYMRPC_CRASH_AT='after_lunch'"),
         ({"GYMRPC_CRASH_AT": "after_tool:1"}, [], "needs GYMRPC_CRASH_MARKER"),
     ],

@@ -1,8 +1,9 @@
-"""The crash-equivalence scenario, shared by the per-session test and (later) the coordinated-checkpoint one.
+"""The crash-equivalence scenario, shared by the per-session and the coordinated-checkpoint tests.
 
 Seed one Workplace session, make `BEFORE` (three state-changing calls), checkpoint, crash,
 restore, make `AFTER` (four calls), verify in `live` mode. `run_episode` takes the
-checkpoint-crash-restore step as a callable, so each recovery mode plugs in its own:
+checkpoint-crash-restore step as a callable, so each recovery mode plugs in its own; it
+returns the episode to continue as (a coordinated restore continues as the next attempt):
 
     record = await run_episode(resources, "s1", episode, between=my_checkpoint_kill_restore)
     assert differences(uninterrupted, record) == []
@@ -66,7 +67,7 @@ STATE_CHANGING = {
 }
 
 
-def task(verify_mode: str = "live") -> common_pb2.Task:
+def task(verify_mode: str = "live", task_id: str = "crash-scenario") -> common_pb2.Task:
     """A task whose ground truth is exactly the scenario's state-changing calls."""
     truth = [{"name": n, "arguments": json.dumps(a)} for n, a in [*BEFORE, *AFTER] if n in STATE_CHANGING]
     row = {
@@ -74,7 +75,7 @@ def task(verify_mode: str = "live") -> common_pb2.Task:
         "ground_truth": truth,
         "verify_mode": verify_mode,
     }
-    return task_from_row(row, "crash-scenario")
+    return task_from_row(row, task_id)
 
 
 @dataclass
@@ -103,14 +104,17 @@ async def run_episode(
     resources: Any,
     session_id: str,
     episode: common_pb2.EpisodeId,
-    between: Callable[[], Awaitable[None]] | None = None,
+    between: Callable[[], Awaitable[common_pb2.EpisodeId]] | None = None,
 ) -> EpisodeRecord:
-    """Seed, BEFORE, `between()` (checkpoint, crash, restore; nothing when None), AFTER, verify."""
+    """Seed, BEFORE, `between()` (checkpoint, crash, restore; nothing when None), AFTER, verify.
+
+    `between` returns the episode the rest runs as (the same, or the restored next attempt).
+    """
     record = EpisodeRecord()
     await resources.SeedSession(pb.SeedSessionRequest(session_id=session_id, episode_id=episode, task=task()))
     record.outputs += await call_tools(resources, session_id, episode, BEFORE, 0)
     if between is not None:
-        await between()
+        episode = await between()
     record.outputs += await call_tools(resources, session_id, episode, AFTER, len(BEFORE))
     messages = [common_pb2.Message(role=common_pb2.ROLE_USER, content="Run the crash scenario.")]
     for index, (name, arguments) in enumerate([*BEFORE, *AFTER]):

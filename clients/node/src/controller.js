@@ -112,14 +112,15 @@ export class Controller {
 
   /**
    * Commit every participant at once. `episodeIds` must name every episode the controller
-   * continues; empty means every parked one.
+   * continues (an empty list commits none); left out, every parked one.
    * @returns {Promise<Map<string, object>>} the manifest each participant wrote
    */
-  async commit(checkpointId, { checkpointDir, episodeIds = [], deadlineMs = defaultDeadline(), stop = false }) {
+  async commit(checkpointId, { checkpointDir, episodeIds, deadlineMs = defaultDeadline(), stop = false }) {
     const request = {
       checkpointId,
       checkpointDir: path.resolve(checkpointDir),
-      episodeIds,
+      episodeIds: episodeIds ?? [],
+      explicitScope: episodeIds !== undefined,
       stop,
       deadline: timestampFromMs(deadlineMs),
     };
@@ -245,7 +246,7 @@ export class Controller {
         }
         result.manifests = await this.commit(checkpointId, {
           checkpointDir: result.checkpointDir,
-          episodeIds: result.continued,
+          episodeIds: episodeIds === undefined ? undefined : result.continued,
           deadlineMs: Date.now() + timeoutMs,
           stop,
         });

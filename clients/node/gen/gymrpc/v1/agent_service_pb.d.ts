@@ -309,6 +309,16 @@ export declare type Trajectory = Message<"gymrpc.v1.Trajectory"> & {
    * @generated from field: gymrpc.v1.Timing timing = 15;
    */
   timing?: Timing | undefined;
+
+  /**
+   * Calls of the episode that moved to another replica of their service
+   * because the one they were on failed (its `Run`, its model and resources
+   * calls), as counted by the clients that saw them: the agent that finished
+   * the episode, and `gymrpc.Client.run` for `Run` itself.
+   *
+   * @generated from field: uint32 failovers = 16;
+   */
+  failovers: number;
 };
 
 /**

@@ -20,6 +20,9 @@ export declare const file_gymrpc_v1_checkpoint_records: GenFile;
 export declare type CheckpointRecord = Message<"gymrpc.v1.CheckpointRecord"> & {
   /**
    * The checkpointed attempt; a restore installs it as `attempt + 1`.
+   * A `table_block` record belongs to no single episode: it is filed under
+   * the episode of the first session that names it, and a restore keeps
+   * every block record whatever episodes it restores.
    *
    * @generated from field: gymrpc.v1.EpisodeId episode_id = 1;
    */
@@ -46,6 +49,15 @@ export declare type CheckpointRecord = Message<"gymrpc.v1.CheckpointRecord"> & {
      */
     value: ModelEpisodeRecord;
     case: "modelEpisode";
+  } | {
+    /**
+     * A table block shared by the `TableSnapshot`s of any number of
+     * resources sessions of the same records file.
+     *
+     * @generated from field: gymrpc.v1.TableBlock table_block = 4;
+     */
+    value: TableBlock;
+    case: "tableBlock";
   } | {
     /**
      * Anything else (for example an agent's loop state), typed by its URL.
@@ -97,6 +109,15 @@ export declare type ResourcesSessionRecord = Message<"gymrpc.v1.ResourcesSession
    * @generated from field: repeated gymrpc.v1.CachedToolReply replies = 4;
    */
   replies: CachedToolReply[];
+
+  /**
+   * The session's tables as a manifest of shared blocks (`exported` mode of
+   * an environment whose state is a set of tables); set instead of
+   * `snapshot`.
+   *
+   * @generated from field: gymrpc.v1.TableSnapshot tables = 5;
+   */
+  tables?: TableSnapshot | undefined;
 };
 
 /**
@@ -104,6 +125,73 @@ export declare type ResourcesSessionRecord = Message<"gymrpc.v1.ResourcesSession
  * Use `create(ResourcesSessionRecordSchema)` to create a new message.
  */
 export declare const ResourcesSessionRecordSchema: GenMessage<ResourcesSessionRecord>;
+
+/**
+ * A session whose state is a set of tables: a manifest naming one
+ * content-addressed block per table, the blocks stored as `TableBlock`
+ * records beside it.
+ *
+ * @generated from message gymrpc.v1.TableSnapshot
+ */
+export declare type TableSnapshot = Message<"gymrpc.v1.TableSnapshot"> & {
+  /**
+   * The environment's snapshot format (as `SessionSnapshot.format_name`),
+   * for example `gymrpc.workplace.tables`; a reader refuses other formats.
+   *
+   * @generated from field: string format_name = 1;
+   */
+  formatName: string;
+
+  /**
+   * Version of that format; a reader refuses versions it does not know.
+   *
+   * @generated from field: uint32 format_version = 2;
+   */
+  formatVersion: number;
+
+  /**
+   * Canonical JSON of the session manifest (format `gymrpc.session-tables`
+   * v1): each table's name mapped to the lowercase hex sha256 of its block,
+   * the table codec, and the environment's own small JSON state.
+   *
+   * @generated from field: bytes manifest = 3;
+   */
+  manifest: Uint8Array;
+};
+
+/**
+ * Describes the message gymrpc.v1.TableSnapshot.
+ * Use `create(TableSnapshotSchema)` to create a new message.
+ */
+export declare const TableSnapshotSchema: GenMessage<TableSnapshot>;
+
+/**
+ * One encoded table, named by its hash and stored once per records file.
+ *
+ * @generated from message gymrpc.v1.TableBlock
+ */
+export declare type TableBlock = Message<"gymrpc.v1.TableBlock"> & {
+  /**
+   * Lowercase hex sha256 of `data`; the name manifests use. A reader checks
+   * it before decoding the block.
+   *
+   * @generated from field: string sha256 = 1;
+   */
+  sha256: string;
+
+  /**
+   * The table as an Arrow IPC stream (format `gymrpc.table.arrow` v1).
+   *
+   * @generated from field: bytes data = 2;
+   */
+  data: Uint8Array;
+};
+
+/**
+ * Describes the message gymrpc.v1.TableBlock.
+ * Use `create(TableBlockSchema)` to create a new message.
+ */
+export declare const TableBlockSchema: GenMessage<TableBlock>;
 
 /**
  * The first reply of a tool call or text turn, kept for retries.

@@ -149,6 +149,14 @@ export declare type GetStatusResponse = Message<"gymrpc.v1.GetStatusResponse"> &
    * @generated from field: map<string, string> details = 10;
    */
   details: { [key: string]: string };
+
+  /**
+   * Replica id behind `name` (`RegistryService` endpoint id; `0` without
+   * replicas).
+   *
+   * @generated from field: string endpoint_id = 11;
+   */
+  endpointId: string;
 };
 
 /**
@@ -287,7 +295,7 @@ export declare type CommitRequest = Message<"gymrpc.v1.CommitRequest"> & {
 
   /**
    * Every episode the controller continues; restored state outside it is
-   * deleted. Empty means every parked episode.
+   * deleted. With `explicit_scope` unset, empty means every parked episode.
    *
    * @generated from field: repeated gymrpc.v1.EpisodeId episode_ids = 4;
    */
@@ -299,6 +307,15 @@ export declare type CommitRequest = Message<"gymrpc.v1.CommitRequest"> & {
    * @generated from field: bool stop = 5;
    */
   stop: boolean;
+
+  /**
+   * `episode_ids` is the whole scope even when empty: a commit that continues
+   * nothing stores no episode. Controllers set it; unset keeps the older
+   * meaning of an empty list (every parked episode).
+   *
+   * @generated from field: bool explicit_scope = 6;
+   */
+  explicitScope: boolean;
 };
 
 /**
@@ -416,6 +433,15 @@ export declare type CheckpointManifest = Message<"gymrpc.v1.CheckpointManifest">
    * @generated from field: string records_format = 11;
    */
   recordsFormat: string;
+
+  /**
+   * Replica of `name` that wrote it (its endpoint id). Replica `0` writes
+   * into `<kind>/<instance>`, replica `k` into `<kind>/<instance>#k`; empty
+   * in manifests written before replicas, which mean `0`.
+   *
+   * @generated from field: string endpoint_id = 12;
+   */
+  endpointId: string;
 };
 
 /**
@@ -504,6 +530,40 @@ export declare type RestoreRequest = Message<"gymrpc.v1.RestoreRequest"> & {
    * @generated from field: repeated gymrpc.v1.EpisodeId episode_ids = 4;
    */
   episodeIds: EpisodeId[];
+
+  /**
+   * Replicas of this participant's name whose records to read, by the
+   * endpoint id each had when it committed (`CheckpointManifest.endpoint_id`).
+   * Every one must hold a manifest of the same checkpoint. Empty: only the
+   * folder of this participant's own endpoint id.
+   *
+   * @generated from field: repeated string source_endpoint_ids = 5;
+   */
+  sourceEndpointIds: string[];
+
+  /**
+   * Endpoint ids of every replica of this participant's name that the
+   * restore installs into, this one among them. When set, this participant
+   * installs only the records placed on its own endpoint id, where clients
+   * route their calls: the id with the greatest 8-byte BLAKE2b digest of
+   * `<key> NUL <endpoint_id>` (UTF-8, compared as big-endian numbers;
+   * rendezvous hashing, `gymrpc.balancing.place`), where key is the record's
+   * affinity key: the session id of a resources session, else the rollout id
+   * (`Run`, `Generate`). Records that belong to no session (shared table
+   * blocks) are read on every replica. Empty: install every record read.
+   *
+   * @generated from field: repeated string endpoint_ids = 6;
+   */
+  endpointIds: string[];
+
+  /**
+   * The replica this request is meant for. A participant with another
+   * endpoint id answers UNAVAILABLE (the caller reached it at a stale
+   * address and should resolve again). Empty: not checked.
+   *
+   * @generated from field: string endpoint_id = 7;
+   */
+  endpointId: string;
 };
 
 /**
