@@ -38,6 +38,7 @@ _MASKED = {
     "Float64": "float64",
     "boolean": "bool",
 }
+_NUMPY_SPECS: dict[np.dtype, str] = {}
 Column = Any
 """A numpy ndarray or a pandas ExtensionArray: what a Series or an Index holds."""
 
@@ -47,7 +48,11 @@ def dtype_spec(dtype: Any, where: str) -> str:
     if isinstance(dtype, np.dtype):
         if dtype.kind == "O":
             return "object"
+        known = _NUMPY_SPECS.get(dtype)  # numpy's `dtype.name` is Python code, a few µs per column
+        if known is not None:
+            return known
         if dtype.name in _NUMPY or _TIME.fullmatch(dtype.name):
+            _NUMPY_SPECS[dtype] = dtype.name  # bounded: only supported dtypes are kept
             return dtype.name
     elif isinstance(dtype, pd.StringDtype):
         return f"string[{dtype.storage},{'NA' if dtype.na_value is pd.NA else 'nan'}]"
@@ -70,6 +75,16 @@ def arrow_type(spec: Any, where: str) -> pa.DataType:
     """The Arrow type the value array of a column with this spec must have; `TableCorrupt` if unknown."""
     if not isinstance(spec, str):
         raise TableCorrupt(f"{where}: dtype spec must be a string")
+    known = _ARROW_TYPES.get(spec)
+    if known is None:
+        known = _ARROW_TYPES[spec] = _arrow_type(spec, where)  # bounded: only valid specs are kept
+    return known
+
+
+_ARROW_TYPES: dict[str, pa.DataType] = {}
+
+
+def _arrow_type(spec: str, where: str) -> pa.DataType:
     if spec == "object" or _STRING.fullmatch(spec):
         return pa.string()
     if spec in _NUMPY:
@@ -84,15 +99,18 @@ def arrow_type(spec: Any, where: str) -> pa.DataType:
 
 
 def encode_column(values: Column, spec: str, where: str) -> tuple[pa.Array, pa.Array | None]:
-    """The value array and, for object columns holding non-strings, the int8 tag array."""
+    """The value array and, for object columns holding non-strings, the int8 tag array.
+
+    No per-row Python: object columns are tagged vectorized (`tag_values`), and string and
+    nullable columns pass their missing values to Arrow as a mask.
+    """
     if spec == "object":
         slots, tags = tag_values(np.asarray(values, dtype=object), where)
         data = pa.array(slots, type=pa.string())
         return data, None if tags is None else pa.array(tags, type=pa.int8())
-    if _STRING.fullmatch(spec):
+    if spec.startswith("string["):
         objects = np.asarray(values, dtype=object)
-        slots = [None if v is pd.NA or (type(v) is float and v != v) else v for v in objects]
-        return pa.array(slots, type=pa.string()), None
+        return pa.array(objects, type=pa.string(), mask=np.asarray(values.isna(), dtype=bool)), None
     if spec in _MASKED:
         numpy_dtype = np.dtype(_MASKED[spec])
         data = values.to_numpy(dtype=numpy_dtype, na_value=numpy_dtype.type(0))

@@ -21,12 +21,20 @@ from __future__ import annotations
 import json
 import math
 import struct
+from itertools import repeat
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 TAG_STR, TAG_NONE, TAG_NAN, TAG_OTHER = 0, 1, 2, 3
 _CANONICAL_NAN_BITS = struct.unpack("<Q", struct.pack("<d", float("nan")))[0]
+_TAG_FLOAT = 4
+"""Provisional tag of any float while tagging: the canonical NaN becomes TAG_NAN, other floats TAG_OTHER."""
+_NONE_TYPE = type(None)
+_NONE = np.array(None, dtype=object)
+"""None as a 0-d object array: `np.equal(values, _NONE)` finds the None rows of an object column."""
+_FIRST_TAG = {str: TAG_STR, _NONE_TYPE: TAG_NONE, float: _TAG_FLOAT}
 _NUMPY_KINDS = frozenset("biufcmM")
 
 
@@ -46,30 +54,51 @@ def _float_bits(value: float) -> int:
     return struct.unpack("<Q", struct.pack("<d", value))[0]
 
 
-def is_canonical_nan(value: Any) -> bool:
-    return type(value) is float and value != value and _float_bits(value) == _CANONICAL_NAN_BITS
+def tag_values(values: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """String slots and int8 tags; when every value is exactly a str, the input itself and no tags.
 
-
-def tag_values(values: np.ndarray, where: str) -> tuple[Any, list[int] | None]:
-    """String slots (the input itself when every value is a str) and tags (None in that case)."""
-    if len(values) == 0 or set(map(type, values)) == {str}:
+    Vectorized over the column (this is most of an encode's Python work): only values that are
+    neither str, None nor the canonical NaN, which are rare, go through Python one by one.
+    """
+    kinds = list(map(type, values))
+    rows, strings = len(kinds), kinds.count(str)  # exact types: a str subclass (np.str_) must not pass as str
+    if strings == rows:
         return values, None
-    types = [type(v) for v in values]
-    slots: list[str | None] = []
-    tags: list[int] = []
-    for row, (value, kind) in enumerate(zip(values, types, strict=True)):
-        if kind is str:
-            slots.append(value)
-            tags.append(TAG_STR)
-        elif value is None:
-            slots.append(None)
-            tags.append(TAG_NONE)
-        elif is_canonical_nan(value):
-            slots.append(None)
-            tags.append(TAG_NAN)
-        else:
-            slots.append(_encode_other(value, f"{where} row {row}"))
-            tags.append(TAG_OTHER)
+    floats = kinds.count(float)
+    if strings + kinds.count(_NONE_TYPE) + floats == rows:
+        gaps = _tag_gaps(values, floats)
+        if gaps is not None:
+            return gaps
+    tags = np.fromiter(map(_FIRST_TAG.get, kinds, repeat(TAG_OTHER)), dtype=np.int8, count=rows)
+    nans = np.flatnonzero(tags == _TAG_FLOAT)
+    if len(nans):  # object -> float64 keeps each float's bits, so only the canonical NaN matches
+        bits = values[nans].astype(np.float64).view(np.uint64)
+        tags[nans] = np.where(bits == _CANONICAL_NAN_BITS, TAG_NAN, TAG_OTHER)
+    slots = values.copy()
+    slots[tags != TAG_STR] = None
+    for row in np.flatnonzero(tags == TAG_OTHER):
+        slots[row] = _encode_other(values[row], f"{where} row {row}")
+    return slots, tags
+
+
+def _tag_gaps(values: np.ndarray, floats: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Strings with gaps that are None or the canonical NaN (CSV gaps, fields a new row left out).
+
+    The usual mixed column, tagged by two C-level scans; None when some float is not the
+    canonical NaN (a number, or a NaN with other bits), which the general path keeps exactly.
+    """
+    if not floats:  # only str and None
+        return values, np.equal(values, _NONE).astype(np.int8)  # TAG_NONE where None; Arrow nulls those slots
+    with np.errstate(invalid="ignore"):  # comparing a signalling NaN sets the invalid flag
+        nones = np.equal(values, _NONE)
+    tags = nones.astype(np.int8)
+    nans = pd.isna(values) & ~nones
+    rows = np.flatnonzero(nans)
+    if len(rows) != floats or not (values[rows].astype(np.float64).view(np.uint64) == _CANONICAL_NAN_BITS).all():
+        return None
+    tags[rows] = TAG_NAN
+    slots = values.copy()
+    slots[rows] = None
     return slots, tags
 
 
@@ -124,12 +153,10 @@ def untag_values(slots: np.ndarray, nulls: np.ndarray, tags: np.ndarray | None, 
     if not np.array_equal(nulls, (tags == TAG_NONE) | (tags == TAG_NAN)):
         raise TableCorrupt(f"{where}: null strings do not match the None and NaN tags")
     out = out.copy()
-    for row in np.flatnonzero(tags != TAG_STR):
-        tag = int(tags[row])
-        if tag == TAG_OTHER:
-            out[row] = _decode_other(out[row], f"{where} row {row}")
-        else:
-            out[row] = None if tag == TAG_NONE else float("nan")
+    out[tags == TAG_NONE] = None
+    out[tags == TAG_NAN] = float("nan")  # one (immutable) NaN object for the column's NaN rows
+    for row in np.flatnonzero(tags == TAG_OTHER):
+        out[row] = _decode_other(out[row], f"{where} row {row}")
     return out
 
 
