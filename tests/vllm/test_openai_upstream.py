@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,16 +65,29 @@ def test_completions_give_token_ids_and_sampled_logprobs(upstream: OpenAIServer)
 def test_abort_by_the_engine_request_id_keeps_the_partial(upstream: OpenAIServer) -> None:
     long = Sampling(max_tokens=1800, temperature=0.0)
 
-    async def run() -> tuple[Completion, bool, bool]:
+    async def attempt(request_id: str) -> tuple[Completion, bool, bool] | None:
+        """One abort mid-generation; None when the generation ended before the abort reached it."""
         backend = OpenAIBackend(upstream.url, dev_abort=True)
         try:
-            call = asyncio.ensure_future(backend.generate(PROMPT, long, "unary-abort"))
-            await _until_running(upstream)
-            aborted = await backend.abort("unary-abort")
+            call = asyncio.ensure_future(backend.generate(PROMPT, long, request_id))
+            if not await _until_running(upstream, call):
+                await call
+                return None
+            aborted = await backend.abort(request_id)
             completion = await asyncio.wait_for(call, 60)
-            return completion, aborted, await backend.abort("unary-abort")
+            if completion.finish is Finish.LENGTH:
+                return None  # the engine finished first: the abort came too late to tell anything
+            return completion, aborted, await backend.abort(request_id)
         finally:
             await backend.close()
+
+    async def run() -> tuple[Completion, bool, bool]:
+        # Unary calls give no sign of progress but the upstream's metrics, which a busy machine
+        # can read too late; a late attempt is retried, a wrong one fails below.
+        for n in range(4):
+            if (result := await attempt(f"unary-abort-{n}")) is not None:
+                return result
+        raise AssertionError("every generation finished before its abort; the abort never took effect")
 
     completion, aborted, again = asyncio.run(run())
     assert aborted
@@ -92,15 +106,19 @@ def test_abort_of_a_stream_ends_it_with_abort_and_its_tokens(upstream: OpenAISer
         try:
             ids: list[int] = []
             finish = None
+            streaming = asyncio.Event()
 
             async def consume() -> None:
                 nonlocal finish
                 async for delta in backend.stream(PROMPT, long, "stream-abort"):
                     ids.extend(delta.token_ids)
                     finish = delta.finish or finish
+                    streaming.set()
 
             task = asyncio.ensure_future(consume())
-            await _until_running(upstream)
+            # Abort once tokens flow (not when a metrics poll sees it running): on a busy machine
+            # a late poll let the whole generation finish first.
+            await asyncio.wait_for(streaming.wait(), 60)
             assert await backend.abort("stream-abort")
             await asyncio.wait_for(task, 60)
             return ids, finish
@@ -112,17 +130,19 @@ def test_abort_of_a_stream_ends_it_with_abort_and_its_tokens(upstream: OpenAISer
     assert 0 < len(ids) < 1800
 
 
-async def _until_running(upstream: OpenAIServer, timeout: float = 30.0) -> None:
-    """Until the upstream reports a running request and has generated for a moment."""
+async def _until_running(upstream: OpenAIServer, call: asyncio.Future[Any], timeout: float = 30.0) -> bool:
+    """Until the upstream reports a running request and has generated for a moment; False if `call` ended first."""
     import httpx
 
     deadline = asyncio.get_running_loop().time() + timeout
     async with httpx.AsyncClient(base_url=upstream.url) as http:
-        while asyncio.get_running_loop().time() < deadline:
+        while asyncio.get_running_loop().time() < deadline and not call.done():
             metrics = (await http.get("/metrics")).text
             running = [line for line in metrics.splitlines() if line.startswith("vllm:num_requests_running")]
             if any(float(line.rsplit(" ", 1)[1]) >= 1 for line in running):
                 await asyncio.sleep(0.2)  # some tokens, far from 1800 (~300 tok/s)
-                return
+                return not call.done()
             await asyncio.sleep(0.02)
+    if call.done():
+        return False
     raise TimeoutError("the upstream never reported the request running")
