@@ -18,6 +18,10 @@ the deadline; commit and restore all at once; resume in reverse, past failures (
 participant that cannot be reached aborts by itself when its lease runs out); retire and
 forget callers before callees. Restore is all or nothing: on any failure the half
 installed attempts are retired everywhere and everyone is resumed before the error is raised.
+
+Once every member committed, the controller writes the checkpoint's index last
+(`gymrpc.control.index`); a restore reads exactly the replicas it lists and refuses a folder
+without one, so the controller must see the checkpoint folder its participants write.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from gymrpc.client import Client
-from gymrpc.control import store
+from gymrpc.control.index import endpoint_order, index_sources, read_index, sources_of, write_index
 from gymrpc.control.types import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind
 from gymrpc.errors import GymrpcError, Unimplemented
 from gymrpc.pbtime import timestamp
@@ -58,13 +62,6 @@ class CoordinationError(Exception):
 
 def _label(name: str, endpoint_id: str | None, replicas: int) -> str:
     return name if endpoint_id is None or replicas == 1 else f"{name}#{endpoint_id}"
-
-
-def _id_order(endpoint_id: str | None) -> tuple[int, int, str]:
-    """Endpoint ids in numeric order (`2` before `10`), others after them."""
-    if endpoint_id is None:
-        return (0, 0, "")
-    return (0, int(endpoint_id), "") if endpoint_id.isdigit() else (1, 0, endpoint_id)
 
 
 class _Labelled(Protocol):
@@ -130,17 +127,17 @@ class CheckpointResult:
     manifests: dict[str, pb.CheckpointManifest] = field(default_factory=dict)
     continued: list[EpisodeKey] = field(default_factory=list)
     restarted: list[EpisodeKey] = field(default_factory=list)
+    index: pb.CheckpointIndex | None = None
+    """The index written into `checkpoint_dir` (`INDEX`) once every member committed."""
 
     @property
     def committed(self) -> bool:
-        return bool(self.manifests)
+        """Every member committed and the index is written: the checkpoint can be restored."""
+        return bool(self.manifests) and self.index is not None
 
     def sources(self) -> dict[str, list[str]]:
         """Name -> endpoint ids of the replicas that committed: `Controller.restore(sources=...)`."""
-        out: dict[str, set[str]] = {}
-        for manifest in self.manifests.values():
-            out.setdefault(manifest.name, set()).add(manifest.endpoint_id or "0")
-        return {name: sorted(ids, key=_id_order) for name, ids in sorted(out.items())}
+        return sources_of((m.name, m.endpoint_id) for m in self.manifests.values())
 
 
 def new_checkpoint_id(prefix: str = "ckpt") -> str:
@@ -154,15 +151,6 @@ def _absolute(path: str | Path) -> str:
 
 def _ids(episodes: Iterable[EpisodeKey]) -> list[common_pb2.EpisodeId]:
     return [e.to_pb() for e in episodes]
-
-
-def _committed_replicas(root: Path, members: Sequence[Member]) -> dict[str, list[str]]:
-    """Name -> endpoint ids of its replica folders holding a manifest under `root` (blocking)."""
-    out: dict[str, list[str]] = {}
-    for kind, name in sorted({(m.kind, m.name) for m in members if m.endpoint_id is not None}):
-        if found := store.replica_ids(root, kind, name):
-            out[name] = sorted(found, key=_id_order)
-    return out
 
 
 class Controller:
@@ -197,7 +185,9 @@ class Controller:
             for t in found
             if (reply := replies.get(t.label)) is not None and reply.kind in kinds
         ]
-        self.members = sorted(members, key=lambda m: (PREPARE_ORDER.index(m.kind), m.name, _id_order(m.endpoint_id)))
+        self.members = sorted(
+            members, key=lambda m: (PREPARE_ORDER.index(m.kind), m.name, endpoint_order(m.endpoint_id))
+        )
         return self.members
 
     async def _endpoints(self) -> list[_Endpoint]:
@@ -214,7 +204,7 @@ class Controller:
         ids: dict[str, set[str]] = {}
         for endpoint in listed:
             ids.setdefault(endpoint.name, set()).add(endpoint.endpoint_id)
-        return [_Endpoint(n, i, len(ids[n])) for n in sorted(ids) for i in sorted(ids[n], key=_id_order)]
+        return [_Endpoint(n, i, len(ids[n])) for n in sorted(ids) for i in sorted(ids[n], key=endpoint_order)]
 
     async def _members(self) -> list[Member]:
         return self.members or await self.discover()
@@ -282,7 +272,19 @@ class Controller:
         stop: bool = False,
     ) -> dict[str, pb.CheckpointManifest]:
         """All at once. `episode_ids` names every episode continued (restored ones by their new attempt);
-        `None` commits every parked episode, an empty list none."""
+        `None` commits every parked episode, an empty list none. Once every member committed, the
+        checkpoint's index is written into `checkpoint_dir` (`write_index`), last."""
+        return (await self._commit(checkpoint_id, checkpoint_dir, episode_ids, timeout=timeout, stop=stop))[0]
+
+    async def _commit(
+        self,
+        checkpoint_id: str,
+        checkpoint_dir: str | Path,
+        episode_ids: Iterable[EpisodeKey] | None,
+        *,
+        timeout: float,
+        stop: bool,
+    ) -> tuple[dict[str, pb.CheckpointManifest], pb.CheckpointIndex]:
         deadline = time.time() + timeout
         request = pb.CommitRequest(
             checkpoint_id=checkpoint_id,
@@ -296,7 +298,11 @@ class Controller:
         replies = await self._fan(
             "commit", members, lambda m: self._stub(m).Commit(request, timeout=self._left(deadline))
         )
-        return {label: r.manifest for label, r in replies.items()}
+        manifests = {label: r.manifest for label, r in replies.items()}
+        index = await asyncio.to_thread(
+            write_index, Path(request.checkpoint_dir), checkpoint_id, [manifests[m.label] for m in members]
+        )
+        return manifests, index
 
     async def resume(self, checkpoint_id: str, *, timeout: float = 30.0) -> dict[str, pb.ResumeResponse]:
         """Reverse order, past failures; raises `CoordinationError` at the end if any failed."""
@@ -329,19 +335,21 @@ class Controller:
 
         Each replica reads the records of every replica of its name that committed and installs
         the ones placed on it among the replicas registered now (discovered again first), so the
-        replica count may differ from the checkpoint's. `sources` maps a name to the endpoint ids
-        that committed
-        (`CheckpointResult.sources()`); by default they are the replica folders found in
-        `checkpoint_dir` (which this process must then see). Afterwards the client forgets where
-        it had placed sessions of these names (`Client.refresh`): they are where `place` says.
+        replica count may differ from the checkpoint's. The replicas that committed are those the
+        checkpoint's index lists (`read_index`: each manifest checked against its sha256 first); a
+        folder without an index is refused before anything is installed, as incomplete.
+        `sources` (name -> endpoint ids that committed, `CheckpointResult.sources()`) is the escape
+        hatch: the caller vouches for them and the index is not read (a controller that cannot see
+        the folder, or a checkpoint committed by hand). Afterwards the client forgets where it had
+        placed sessions of these names (`Client.refresh`): they are where `place` says.
         """
         episodes = list(episode_ids)
         deadline = time.time() + timeout
         folder = _absolute(checkpoint_dir)
+        if sources is None:
+            sources = index_sources(await asyncio.to_thread(read_index, Path(folder)))
         # Placement is over the replicas registered now, never over those of a stack seen earlier.
         members = await (self.discover() if getattr(self.client, "registry", None) is not None else self._members())
-        if sources is None:
-            sources = await asyncio.to_thread(_committed_replicas, Path(folder), members)
         replicas: dict[str, list[str]] = {}
         for member in members:
             if member.endpoint_id is not None:
@@ -360,8 +368,7 @@ class Controller:
                 out.endpoint_id = member.endpoint_id
             elif member.replicas > 1:
                 log.warning(
-                    "no replica folder of this name in the checkpoint (or not visible here): each replica "
-                    "restores its own folder",
+                    "no replica of this name in the checkpoint's sources: each replica restores its own folder",
                     extra={"service": member.name, "checkpoint_dir": folder},
                 )
             return out
@@ -461,7 +468,9 @@ class Controller:
                     wanted = list(episode_ids)
                     scope = result.continued = result.prepare.continued(wanted)
                     result.restarted = [e for e in wanted if e not in set(scope)]
-                result.manifests = await self.commit(checkpoint_id, folder, scope, timeout=timeout, stop=stop)
+                result.manifests, result.index = await self._commit(
+                    checkpoint_id, folder, scope, timeout=timeout, stop=stop
+                )
         except BaseException:
             await asyncio.shield(self._abort(checkpoint_id))
             raise

@@ -4,11 +4,13 @@
     gymrpc ctl prepare ID [--deadline S]                       close admission, wait for boundaries
     gymrpc ctl commit ID --dir D [--episodes R[:A] ...]        write records, then manifests
     gymrpc ctl resume ID                                       reopen (aborts an uncommitted checkpoint)
-    gymrpc ctl restore ID --dir D --episodes R[:A] ...         install into fresh processes, all or nothing
+    gymrpc ctl restore ID --dir D --episodes R[:A] ... [--source NAME=ID,...]
+                                                               install into fresh processes, all or nothing
     gymrpc ctl retire ID --episodes R[:A] ...                  fence attempts, free their state
     gymrpc ctl forget ID --rollouts R ...                      drop retire marks
     gymrpc ctl renew ID [--deadline S]                         extend the open checkpoint's lease
     gymrpc ctl checkpoint --dir D [--episodes ...] [--id ID]   prepare, commit into D/ID, resume
+    gymrpc ctl inspect D                                       a checkpoint folder's index, verified (no stack)
 
 Built on `gymrpc.Controller`, so it keeps its orders (prepare environment, model, agent,
 resources and stop at the first stage not ready; resume in reverse; retire callers first)
@@ -16,10 +18,14 @@ and its all-or-nothing restore. Participants are every registered name that serv
 `ParticipantService` (`--name` picks some). For operators and for debugging a controller:
 what it prints is what the participants replied.
 
+A commit of every participant ends with the checkpoint's index (`checkpoint.json`, written by
+the controller last); `restore` reads exactly the replicas it lists and refuses a folder without
+one (incomplete) unless `--source` names the replicas that committed.
+
 Exit codes: 0 done; 1 some participant refused or failed (each failure is printed with its
-gRPC code, `ErrorInfo` reason and message); 2 bad command line; 3 prepare (or checkpoint)
-not ready by the deadline, admission stays closed after `prepare` until `resume ID`;
-4 no stack in the run folder.
+gRPC code, `ErrorInfo` reason and message), or the checkpoint folder was refused; 2 bad command
+line; 3 prepare (or checkpoint) not ready by the deadline, admission stays closed after `prepare`
+until `resume ID`; 4 no stack in the run folder.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -37,10 +44,11 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from gymrpc.client import Client
+from gymrpc.control.index import INDEX, read_index
 from gymrpc.control.types import EpisodeKey
 from gymrpc.controller import Controller, CoordinationError, PrepareResult
 from gymrpc.errors import GymrpcError
-from gymrpc.ids import check_id, check_service_name
+from gymrpc.ids import check_endpoint_id, check_id, check_service_name
 from gymrpc.retry import RetryPolicy
 from gymrpc.v1 import participant_service_pb2 as pb
 
@@ -57,6 +65,17 @@ def episode(value: str) -> EpisodeKey:
     if attempt and not attempt.isdigit():
         raise argparse.ArgumentTypeError(f"{value!r}: the attempt after ':' must be a number")
     return EpisodeKey(rollout, int(attempt or 0))
+
+
+def source(value: str) -> tuple[str, list[str]]:
+    """`NAME=ID[,ID...]`: the replicas of NAME that committed."""
+    name, _, ids = value.partition("=")
+    try:
+        check_service_name(name)
+        endpoint_ids = [check_endpoint_id(i) for i in ids.split(",")]
+    except GymrpcError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc.message} (expected NAME=ID[,ID...])") from None
+    return name, endpoint_ids
 
 
 def _common(parser: argparse.ArgumentParser, default: Any) -> None:
@@ -104,6 +123,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     restore.add_argument("--dir", required=True, help="the committed checkpoint folder")
     restore.add_argument("--episodes", nargs="+", required=True, type=episode, metavar="R[:A]")
     restore.add_argument("--deadline", type=float, default=120.0, help="seconds (default %(default)s)")
+    restore.add_argument(
+        "--source",
+        action="append",
+        type=source,
+        metavar="NAME=ID,...",
+        help="the replicas of NAME that committed; given, the checkpoint's index is not read (a folder "
+        "committed by hand, or not visible here)",
+    )
     retire = with_id("retire", "fence attempts everywhere (callers first) and free their state", "operation id")
     retire.add_argument("--episodes", nargs="+", required=True, type=episode, metavar="R[:A]")
     retire.add_argument("--deadline", type=float, default=60.0, help="seconds (default %(default)s)")
@@ -117,6 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     checkpoint.add_argument("--episodes", nargs="+", type=episode, metavar="R[:A]", help="continued episodes")
     checkpoint.add_argument("--stop", action="store_true", help="commit with stop and do not resume")
     checkpoint.add_argument("--deadline", type=float, default=30.0, help="seconds per step (default %(default)s)")
+    inspect = command("inspect", "a checkpoint folder's index and manifests, verified; needs no stack")
+    inspect.add_argument("dir", metavar="DIR", help="the checkpoint folder (ROOT/ID)")
 
 
 def run(args: argparse.Namespace, run_dir: Path) -> int:
@@ -130,6 +159,10 @@ def run(args: argparse.Namespace, run_dir: Path) -> int:
     except GymrpcError as exc:
         print(f"gymrpc ctl: {exc.message}", file=sys.stderr)
         return EXIT_USAGE
+    if getattr(args, "dir", None):
+        args.dir = os.path.abspath(args.dir)  # as every participant must see it
+    if args.ctl_command == "inspect":
+        return _inspect(args)
     try:
         return asyncio.run(_main(args, run_dir))
     except FileNotFoundError as exc:
@@ -138,8 +171,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> int:
     except CoordinationError as exc:
         _print_failure(args, exc.operation, exc.failures)
         return EXIT_FAILED
-    except GymrpcError as exc:
-        _print_failure(args, args.ctl_command, {"registry": exc})  # discovery itself failed
+    except GymrpcError as exc:  # discovery itself failed, or the checkpoint folder was refused
+        _print_failure(args, args.ctl_command, {"checkpoint" if "checkpoint_dir" in exc.metadata else "registry": exc})
         return EXIT_FAILED
 
 
@@ -159,13 +192,17 @@ async def _main(args: argparse.Namespace, run_dir: Path) -> int:
             manifests = await controller.commit(
                 args.checkpoint_id, args.dir, args.episodes, timeout=args.deadline, stop=args.stop
             )
-            return _print(args, manifests, _manifests_text(manifests))
+            indexed = f"indexed in {args.dir}/{INDEX}"
+            return _print(args, manifests, [*_manifests_text(manifests), indexed])
         if command == "resume":
             resumed = await controller.resume(args.checkpoint_id, timeout=args.timeout)
             lines = [f"{n}: idle{' (already resumed)' if r.already_resumed else ''}" for n, r in resumed.items()]
             return _print(args, resumed, lines)
         if command == "restore":
-            restored = await controller.restore(args.checkpoint_id, args.dir, args.episodes, timeout=args.deadline)
+            sources = dict(args.source) if args.source else None
+            restored = await controller.restore(
+                args.checkpoint_id, args.dir, args.episodes, timeout=args.deadline, sources=sources
+            )
             lines = [
                 f"{n}: restored {len(r.restored)} episodes from {r.source_checkpoint_id}: {_episodes(r.restored)}"
                 for n, r in restored.items()
@@ -200,6 +237,7 @@ async def _checkpoint(args: argparse.Namespace, controller: Controller) -> int:
                     "committed": result.committed,
                     "prepare": {n: _dict(r) for n, r in result.prepare.replies.items()},
                     "manifests": {n: _dict(m) for n, m in result.manifests.items()},
+                    "index": _dict(result.index) if result.index is not None else None,
                     "continued": [str(e) for e in result.continued],
                     "restarted": [str(e) for e in result.restarted],
                 },
@@ -209,6 +247,7 @@ async def _checkpoint(args: argparse.Namespace, controller: Controller) -> int:
     elif result.committed:
         print(f"checkpoint {result.checkpoint_id} committed in {result.checkpoint_dir}")
         print("\n".join(_manifests_text(result.manifests)))
+        print(f"indexed in {result.checkpoint_dir / INDEX}")
         if result.restarted:
             print(f"restart only (not in the checkpoint): {_episodes(result.restarted)}")
         print("stopped: admission stays closed" if args.stop else "resumed")
@@ -216,6 +255,45 @@ async def _checkpoint(args: argparse.Namespace, controller: Controller) -> int:
         print("\n".join(_prepare_text(result.checkpoint_id, result.prepare)))
         print(f"checkpoint {result.checkpoint_id} aborted (resumed); nothing was committed")
     return EXIT_OK if result.committed else EXIT_NOT_READY
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """Read and verify a checkpoint folder's index offline; exit 1 if a restore would refuse it."""
+    folder = Path(args.dir)
+    try:
+        index = read_index(folder)
+    except GymrpcError as exc:
+        if args.json:
+            print(json.dumps({"checkpoint_dir": str(folder), "restorable": False, "error": _error(exc)}, indent=2))
+        else:
+            print(f"gymrpc ctl inspect: {exc.code.name} {exc.reason}: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    manifests = {}
+    for member in index.members:
+        label = member.name if member.endpoint_id == "0" else f"{member.name}#{member.endpoint_id}"
+        manifests[label] = json_format.Parse((folder / member.manifest_path).read_text(), pb.CheckpointManifest())
+    if args.json:
+        report = {"checkpoint_dir": str(folder), "restorable": True, "index": _dict(index)}
+        print(json.dumps(report | {"manifests": {n: _dict(m) for n, m in manifests.items()}}, indent=2))
+        return EXIT_OK
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(index.create_time.ToNanoseconds() / 1e9))
+    print(f"checkpoint {index.checkpoint_id} in {folder}: {len(index.members)} members, indexed {when}")
+    rows = [("MEMBER", "KIND", "RECORDS", "BYTES", "EPISODES", "MANIFEST", "SHA256")]
+    for (label, manifest), member in zip(manifests.items(), index.members, strict=True):
+        kind = pb.ParticipantKind.Name(member.kind).removeprefix("PARTICIPANT_KIND_").lower()
+        rows.append(
+            (
+                label,
+                kind,
+                str(manifest.record_count),
+                str(manifest.size_bytes),
+                str(len(manifest.episode_ids)),
+                member.manifest_path,
+                member.manifest_sha256[:12],
+            )
+        )
+    print("\n".join(_table(rows)))
+    return EXIT_OK
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -233,12 +311,13 @@ def _print(args: argparse.Namespace, replies: Mapping[str, Message], lines: Sequ
     return EXIT_OK
 
 
+def _error(err: GymrpcError) -> dict[str, Any]:
+    return {"code": err.code.name, "reason": err.reason, "message": err.message, "metadata": err.metadata}
+
+
 def _print_failure(args: argparse.Namespace, operation: str, failures: dict[str, GymrpcError]) -> None:
     if args.json:
-        errors = {
-            name: {"code": err.code.name, "reason": err.reason, "message": err.message, "metadata": err.metadata}
-            for name, err in failures.items()
-        }
+        errors = {name: _error(err) for name, err in failures.items()}
         print(json.dumps({"error": {"operation": operation, "failures": errors}}, indent=2))
         return
     print(f"gymrpc ctl {operation}: failed on {len(failures)} participant(s)", file=sys.stderr)
@@ -274,6 +353,10 @@ def _status_table(statuses: dict[str, pb.GetStatusResponse]) -> list[str]:
                 " ".join(f"{k}={v}" for k, v in sorted(s.details.items())) or "-",
             )
         )
+    return _table(rows)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 

@@ -37,18 +37,26 @@ class Notifier:
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self._waiting = 0
 
     def notify(self) -> None:
-        event, self._event = self._event, asyncio.Event()
-        event.set()
+        """Wake the current waiters; free when nobody waits (every data-plane call notifies)."""
+        if self._waiting:
+            event, self._event, self._waiting = self._event, asyncio.Event(), 0
+            event.set()
 
     async def wait(self, timeout: float | None) -> None:
         """Return on the next change or after `timeout` seconds, whichever is first."""
         event = self._event
-        # Not asyncio.wait_for: on 3.11 it can swallow a cancellation that races the wake-up.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await event.wait()
+        self._waiting += 1
+        try:
+            # Not asyncio.wait_for: on 3.11 it can swallow a cancellation that races the wake-up.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await event.wait()
+        finally:
+            if self._event is event:  # still waiting on it (timed out or cancelled): not woken
+                self._waiting -= 1
 
 
 class Admission:

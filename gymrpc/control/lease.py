@@ -23,15 +23,23 @@ class Lease:
         self.expires_at: float | None = None
         self._changed = Notifier()
         self._watcher: asyncio.Task[None] | None = None
+        self._wakes_at: float | None = None
+        """When the sleeping watcher looks again by itself; None: only when notified."""
 
     def renew(self, deadline: float) -> float:
+        """Extend the lease; wake the watcher only if it would look too late.
+
+        A watcher asleep until an earlier time finds the later expiry when it wakes, so the
+        control calls of a checkpoint (and of the next ones) cost no task step here.
+        """
         self.expires_at = max(self.expires_at or 0.0, deadline + self.grace)
-        self._changed.notify()
+        if self._wakes_at is None or self.expires_at < self._wakes_at:
+            self._changed.notify()
         return self.expires_at
 
     def clear(self) -> None:
+        """Drop the lease; a watcher asleep until its old expiry wakes then and finds none."""
         self.expires_at = None
-        self._changed.notify()
 
     @property
     def expired(self) -> bool:
@@ -51,10 +59,12 @@ class Lease:
         while True:
             expires = self.expires_at
             if expires is None:
+                self._wakes_at = None
                 await self._changed.wait(None)
                 continue
             left = expires - self.clock()
             if left > 0:
+                self._wakes_at = expires
                 await self._changed.wait(left)
                 continue
             await self.on_expire()  # it re-checks under its lock, then clears or renews

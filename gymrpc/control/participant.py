@@ -8,7 +8,9 @@ base gives every role the same data-plane gate (`admission`) and retired-attempt
 Contract of each hook, as the plane relies on it:
 - `close_admission` / `open_admission`: idempotent; after close, in-flight work heads for
   its next boundary and new work waits (`admission.enter`).
-- `readiness`: cheap and synchronous; call `changed.notify()` whenever it may have changed.
+- `readiness`: cheap and synchronous (every Prepare and every wake of a waiting one calls
+  it): no scan of every episode or session, only of what is moving; call `changed.notify()`
+  whenever it may have changed. Counts that need a scan go in `status_counts` (GetStatus only).
 - `export(scope)`: called once per checkpoint, while prepared and ready; returns the records
   of the episodes in `scope` (None: every parked episode). Must not change state.
 - `select(records, scope)`: the records a restore passes to `stage` (default: those of
@@ -80,6 +82,10 @@ class Participant(abc.ABC):
     @abc.abstractmethod
     def readiness(self) -> Report:
         """What still blocks a commit, and which episodes can only restart."""
+
+    def status_counts(self) -> dict[str, int]:
+        """Counts that take a scan (ledger rows, ...): added to the GetStatus report, not to Prepare's."""
+        return {}
 
     # -- commit ------------------------------------------------------------------------------
 

@@ -145,13 +145,16 @@ class ControlPlane:
             details["last_abort"] = self.last_abort
         if self.awaiting_restore:
             details["awaiting_restore"] = "true"
+        report = self.readiness()
+        if extra := self.participant.status_counts():
+            report = replace(report, counts={**report.counts, **extra})
         return Status(
             kind=self.kind,
             name=self.name,
             phase=self.fence.phase,
             checkpoint_id=self.fence.active or "",
             lease_expires_at=self.lease.expires_at,
-            report=self.readiness(),
+            report=report,
             retired=dict(self.participant.marks.snapshot()),
             pid=os.getpid(),
             started_at=self.started_at,
@@ -177,6 +180,8 @@ class ControlPlane:
                 except BaseException:
                     await self._abandon(checkpoint_id)
                     raise
+            if (report := self.readiness()).ready:  # nothing in flight: prepared without waiting
+                return self._prepared(checkpoint_id, report)
         try:
             report = await self._wait_ready(checkpoint_id, deadline)
         except Exception:
@@ -191,10 +196,14 @@ class ControlPlane:
             if not report.ready:
                 log.info("prepare missed its deadline", extra={"checkpoint_id": checkpoint_id})
                 return Phase.PREPARING, report
-            self.fence.advance(checkpoint_id, Phase.PREPARED)
-            reply = (Phase.PREPARED, report)
-            self.replies.put(Op.PREPARE, checkpoint_id, (), reply)
-            return reply
+            return self._prepared(checkpoint_id, report)
+
+    def _prepared(self, checkpoint_id: str, report: Report) -> tuple[Phase, Report]:
+        """Ready: move to PREPARED and remember the reply (under the lock)."""
+        self.fence.advance(checkpoint_id, Phase.PREPARED)
+        reply = (Phase.PREPARED, report)
+        self.replies.put(Op.PREPARE, checkpoint_id, (), reply)
+        return reply
 
     async def _wait_ready(self, checkpoint_id: str, deadline: float) -> Report:
         while True:

@@ -13,7 +13,9 @@ writers exactly one publishes and a crash before it leaves no checkpoint at all 
 previous checkpoints, in other directories, are never touched). An existing manifest
 equal to ours (ignoring its time) is a replay; any other is CHECKPOINT_CONFLICT.
 Reading verifies size, sha256 and count over the whole file and decodes every record
-before returning any, so a restore installs all or nothing.
+before returning any, so a restore installs all or nothing. The manifest's `episode_ids`
+lists each episode once, in the order of its first record (a participant may file several
+records under one episode); `record_count` counts records.
 
 Everything here blocks; callers run it in a thread.
 """
@@ -39,6 +41,7 @@ from gymrpc.errors import Aborted, DataLoss, InvalidArgument, NotFound
 from gymrpc.ids import ENDPOINT_ID, check_endpoint_id, check_id, check_service_name
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
+from gymrpc.v1 import common_pb2
 from gymrpc.v1 import participant_service_pb2 as pb
 
 SCHEMA_VERSION = 1
@@ -155,7 +158,7 @@ def write_checkpoint(
             record_count=len(records),
             sha256=digest.hexdigest(),
             size_bytes=size,
-            episode_ids=[r.episode_id for r in records],
+            episode_ids=_episode_ids(records),
             create_time=timestamp(time.time()),
             schema_version=SCHEMA_VERSION,
             records_format=RECORDS_FORMAT,
@@ -210,21 +213,32 @@ def manifests_equal(a: pb.CheckpointManifest, b: pb.CheckpointManifest) -> bool:
 
 def _create_manifest(folder: Path, manifest: pb.CheckpointManifest) -> pb.CheckpointManifest:
     text = json_format.MessageToJson(manifest, preserving_proto_field_name=True, sort_keys=True, indent=1)
-    fd, temp = tempfile.mkstemp(dir=folder, prefix=".manifest-", suffix=".tmp")
+    if create_file(folder / MANIFEST, text + "\n"):
+        return manifest
+    existing = _load_manifest(folder / MANIFEST)
+    if existing is None or not manifests_equal(existing, manifest):
+        raise _conflict(folder, existing, manifest.checkpoint_id)
+    return existing
+
+
+def create_file(path: Path, text: str) -> bool:
+    """Create `path` holding `text`, durably, never replacing a file there: False if one exists.
+
+    A commit point: `os.link` of an fsynced temporary file publishes whole or not at all, of two
+    racing writers exactly one wins, and the folder is fsynced so the name survives a crash.
+    """
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as out:
-            out.write(text + "\n")
+            out.write(text)
             out.flush()
             os.fsync(out.fileno())
         try:
-            os.link(temp, folder / MANIFEST)
+            os.link(temp, path)
         except FileExistsError:
-            existing = _load_manifest(folder / MANIFEST)
-            if existing is None or not manifests_equal(existing, manifest):
-                raise _conflict(folder, existing, manifest.checkpoint_id) from None
-            return existing
-        _fsync_dir(folder)
-        return manifest
+            return False
+        _fsync_dir(path.parent)
+        return True
     finally:
         os.unlink(temp)
 
@@ -281,6 +295,19 @@ def _decode(data: bytes, path: Path) -> Iterator[rec_pb.CheckpointRecord]:
             raise DataLoss(f"{path}: a record does not decode: {exc}") from None
         pos += length
         yield record
+
+
+def _episode_ids(records: Sequence[rec_pb.CheckpointRecord]) -> list[common_pb2.EpisodeId]:
+    """Each episode once, in the order of its first record.
+
+    A participant may file several records under one episode (a session and the shared table
+    blocks it names first); the manifest lists episodes, not records (`record_count` counts those).
+    """
+    seen: dict[tuple[str, int], common_pb2.EpisodeId] = {}
+    for record in records:
+        episode = record.episode_id
+        seen.setdefault((episode.rollout_id, episode.attempt), episode)
+    return list(seen.values())
 
 
 def _varint(value: int) -> bytes:

@@ -5,8 +5,9 @@ name a commit's scope. A checkpoint is taken every `--checkpoint-every` seconds,
 SIGUSR1 (and the collection goes on), and on SIGTERM (with `stop`: the stack parks for
 good, and the command exits 75). Beside the participants' folders each checkpoint holds
 `collector.json` (the episodes in flight and which of them only restart); `LATEST` names
-the newest complete checkpoint and is replaced atomically, so a crash at any point
-leaves the previous one usable; only the last K are kept.
+the newest complete checkpoint (one the controller indexed, `checkpoint.json`: every member
+committed) and is replaced atomically, so a crash at any point leaves the previous one
+usable; only the last K are kept.
 
 `--resume` restores LATEST into a fresh stack: episodes the agents restored continue as
 attempt N+1 from their boundary; the rest of those in flight restart as attempt N+1.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gymrpc.client import Client
+from gymrpc.control.index import INDEX
 from gymrpc.control.types import EpisodeKey, Kind
 from gymrpc.controller import CheckpointResult, Controller, CoordinationError, new_checkpoint_id
 from gymrpc.errors import GymrpcError
@@ -72,7 +74,13 @@ class CheckpointKeeper:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def publish(self, result: CheckpointResult) -> Saved:
-        """Record the collector's part, then point LATEST at it (last), then drop the oldest."""
+        """Record the collector's part, then point LATEST at it (last), then drop the oldest.
+
+        Only an indexed checkpoint (every member committed) is published: LATEST never names one
+        a restore would refuse.
+        """
+        if result.index is None or not (result.checkpoint_dir / INDEX).is_file():
+            raise ValueError(f"checkpoint {result.checkpoint_id} has no {INDEX}: it is not complete, not published")
         state = {
             "checkpoint_id": result.checkpoint_id,
             "continued": [list(k) for k in result.continued],

@@ -545,6 +545,98 @@ class CheckpointManifest(_message.Message):
 Global___CheckpointManifest: _TypeAlias = CheckpointManifest  # noqa: Y015
 
 @_typing.final
+class CheckpointIndex(_message.Message):
+    """The controller's record of one whole coordinated checkpoint:
+    `<checkpoint_dir>/checkpoint.json`, this message in JSON. The controller
+    writes it after every member's commit succeeded, last and create-only
+    (an fsynced temporary file linked into place, then the folder fsynced),
+    so a folder without it is not a complete checkpoint: some member's commit
+    failed (and left no manifest, which a reader cannot tell from a replica
+    that never existed) or the controller died first. A restore reads
+    exactly the replicas listed (`RestoreRequest.source_endpoint_ids`) after
+    checking each manifest file against its sha256, and refuses a folder
+    without an index unless told the sources explicitly.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    """Checkpoint id; every listed manifest holds it."""
+    schema_version: _builtins.int
+    """Version of the index layout; currently 1."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When the index was written."""
+
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointIndexMember]:
+        """Every member that committed, one per replica, in discovery order."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        schema_version: _builtins.int = ...,
+        members: _abc.Iterable[Global___CheckpointIndexMember] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "create_time", b"create_time", "members", b"members", "schema_version", b"schema_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointIndex: _TypeAlias = CheckpointIndex  # noqa: Y015
+
+@_typing.final
+class CheckpointIndexMember(_message.Message):
+    """One committed member (a replica of a name) of a `CheckpointIndex`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    ENDPOINT_ID_FIELD_NUMBER: _builtins.int
+    MANIFEST_PATH_FIELD_NUMBER: _builtins.int
+    MANIFEST_SHA256_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Participant name, `role/instance`."""
+    kind: Global___ParticipantKind.ValueType
+    """Participant kind."""
+    endpoint_id: _builtins.str
+    """Replica of `name` that committed (`CheckpointManifest.endpoint_id`,
+    `0` without replicas).
+    """
+    manifest_path: _builtins.str
+    """Its `manifest.json`, relative to the checkpoint folder:
+    `<kind>/<instance>/manifest.json` for replica `0`,
+    `<kind>/<instance>#<endpoint_id>/manifest.json` otherwise (`kind`
+    lowercase without its prefix, for example `resources`).
+    """
+    manifest_sha256: _builtins.str
+    """Lowercase hex sha256 of the manifest file's bytes as written."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        kind: Global___ParticipantKind.ValueType = ...,
+        endpoint_id: _builtins.str = ...,
+        manifest_path: _builtins.str = ...,
+        manifest_sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint_id", b"endpoint_id", "kind", b"kind", "manifest_path", b"manifest_path", "manifest_sha256", b"manifest_sha256", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointIndexMember: _TypeAlias = CheckpointIndexMember  # noqa: Y015
+
+@_typing.final
 class ResumeRequest(_message.Message):
     """Request of `ParticipantService.Resume`."""
 

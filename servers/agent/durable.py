@@ -157,6 +157,7 @@ class DurableEpisodes:
             record.max_steps, record.text_turns = state.max_steps, state.text_turns
             return record
         checkpoint.restore_state(state, record)
+        self.loop.count_failovers(state)  # baseline before RestoreSession: a move of it counts
         await self._restore_session(state, record)
         state.resume_count += 1
         record.resume_count = state.resume_count
@@ -227,7 +228,9 @@ class DurableEpisodes:
         if record.phase == agent_pb.EPISODE_PHASE_UNSPECIFIED:  # lost before the first save: seed again
             state.phase, state.messages, state.tools = Phase.NEW, [], []  # all that seeding sets
             return
+        moved = state.failovers  # the moves since that save happened all the same (the one that lost the session)
         checkpoint.restore_state(state, record)
+        state.failovers = moved
         await self._restore_session(state, record)
 
     def _crash_point(self, phase: Phase, state: EpisodeState) -> None:

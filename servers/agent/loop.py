@@ -56,9 +56,10 @@ class EpisodeLoop:
         resources, model: stubs of `ResourcesService` and `ModelService`.
         resources_name, model_name: their stable names, used in error messages.
         call_timeout: seconds one downstream call may take, retries included.
-        failovers: how many of an episode's calls moved to another replica so far (the stubs'
-            client knows: `gymrpc.balancing.Balancer.failovers`); copied into the state after
-            every transition, for `Trajectory.failovers`.
+        failovers: how many of an episode's calls this process's client has moved to another
+            replica so far (`gymrpc.balancing.Balancer.failovers`); what it adds between two looks
+            (`count_failovers`) goes into the state's checkpointed `failovers`, so a continued
+            episode reports the moves of every process that ran it (`Trajectory.failovers`).
     """
 
     def __init__(
@@ -104,10 +105,25 @@ class EpisodeLoop:
 
     async def advance(self, state: EpisodeState) -> common_pb2.Message | None:
         """One transition from the current boundary to the next; returns the message it added last."""
-        message = await self._transition(state)
-        if self.failovers is not None:
-            state.failovers = self.failovers(state)
-        return message
+        self.count_failovers(state)
+        try:
+            return await self._transition(state)
+        finally:
+            self.count_failovers(state)
+
+    def count_failovers(self, state: EpisodeState) -> None:
+        """Add the moves this process's client counted since it last looked at `state`.
+
+        The first look only takes the baseline: the client's count may include moves of an earlier
+        run of the episode in this process, which the restored `failovers` already holds. Call it
+        right after restoring a state and before any call of the episode, so those count too.
+        """
+        if self.failovers is None:
+            return
+        now = self.failovers(state)
+        if state.failovers_seen is not None:
+            state.failovers += max(now - state.failovers_seen, 0)
+        state.failovers_seen = now
 
     async def _transition(self, state: EpisodeState) -> common_pb2.Message | None:
         match state.phase:

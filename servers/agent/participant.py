@@ -47,8 +47,6 @@ class _Live:
     state: EpisodeState
     fingerprint: str
     task: asyncio.Task[object] | None
-    moving: bool = True
-    """Between boundaries (set false while it stands at a boundary or is parked)."""
     parked_since: float | None = None
     """Loop time it parked at, while parked (an export counts the time parked so far)."""
     deadline: asyncio.Timeout | None = None
@@ -64,6 +62,8 @@ class AgentParticipant(Participant):
         super().__init__()
         self._refresh = refresh
         self._live: dict[EpisodeKey, _Live] = {}
+        self._moving: dict[EpisodeKey, _Live] = {}
+        """The live episodes between boundaries (not standing at one, not parked): all readiness looks at."""
         self._restored: dict[EpisodeKey, EpisodeCheckpoint] = {}
         """Restored records by the attempt that continues them, until a `Run` claims them."""
         self.replay_verify = False
@@ -94,7 +94,7 @@ class AgentParticipant(Participant):
             state.resume_count += 1
             self.continued += 1
         task = asyncio.current_task()
-        self._live[key] = _Live(state, fingerprint, task)
+        self._live[key] = self._moving[key] = _Live(state, fingerprint, task)
         self.changed.notify()
         try:
             yield
@@ -106,6 +106,7 @@ class AgentParticipant(Participant):
             raise
         finally:
             del self._live[key]
+            self._moving.pop(key, None)
             self.changed.notify()
 
     async def drive(
@@ -119,13 +120,13 @@ class AgentParticipant(Participant):
         live = self._live[key]
         live.deadline = deadline
         async for message in steps:
-            live.moving = False
+            self._moving.pop(key, None)
             self.changed.notify()
             yield message
             if not self.admission.is_open and state.phase is not Phase.COMPLETED:
                 await self._park(state, deadline)
             self.marks.check(key)  # retired while it stood at the boundary
-            live.moving = True
+            self._moving[key] = live
 
     async def _park(self, state: EpisodeState, deadline: asyncio.Timeout | None) -> None:
         """Wait for resume with the episode's deadline paused; the time goes to `parked_s`."""
@@ -151,8 +152,8 @@ class AgentParticipant(Participant):
         """Also pause the deadline of episodes waiting on Generate: the model holds them until resume."""
         await super().close_admission()
         now = asyncio.get_running_loop().time()
-        for live in self._live.values():
-            if live.moving and live.state.phase is Phase.READY_FOR_MODEL and live.held is None:
+        for live in self._moving.values():
+            if live.state.phase is Phase.READY_FOR_MODEL and live.held is None:
                 live.held = (now, live.deadline.when() if live.deadline is not None else None)
                 if live.deadline is not None:
                     live.deadline.reschedule(None)
@@ -170,18 +171,17 @@ class AgentParticipant(Participant):
     # -- readiness ---------------------------------------------------------------------------
 
     def _blocks(self, live: _Live) -> bool:
-        if not live.moving:
-            return False
+        """Whether a moving episode blocks."""
         phase = live.state.phase
         if phase is Phase.READY_FOR_MODEL:
             return False  # in Generate: the model holds or cuts it
         return not (phase is Phase.READY_FOR_VERIFY and self.replay_verify)
 
     def readiness(self) -> Report:
-        blockers = tuple(sorted(k for k, live in self._live.items() if self._blocks(live)))
+        blockers = tuple(sorted(k for k, live in self._moving.items() if self._blocks(live)))
         counts = {
             "live": len(self._live),
-            "parked": sum(1 for live in self._live.values() if not live.moving),
+            "parked": len(self._live) - len(self._moving),
             "restored_pending": len(self._restored),
             "continued": self.continued,
         }

@@ -90,8 +90,11 @@ class EpisodeState:
     parked_s: float = 0.0
     """Seconds parked at a boundary for a checkpoint (coordinated checkpoints; 0 for now)."""
     failovers: int = 0
-    """Calls of the episode that moved to another replica after one failed, as this process's client
-    counted them (`EpisodeLoop.failovers`); not checkpointed."""
+    """Calls of the episode that moved to another replica after one failed, across every process
+    that ran it (checkpointed): this process adds what its client counts (`EpisodeLoop.failovers`)."""
+    failovers_seen: int | None = None
+    """This process's client count for the episode when last added to `failovers`; None until this
+    process first looks (not checkpointed: counts of another process mean nothing here)."""
 
     def __post_init__(self) -> None:
         if not ROLLOUT_ID.fullmatch(self.rollout_id):

@@ -95,6 +95,8 @@ class ResourcesParticipant(Participant):
         """Seed tasks by session id (stateless mode re-seeds them on restore)."""
         self._pending: dict[str, EpisodeKey] = {}
         """Restored sessions no call of the new attempt has touched yet."""
+        self._verify_raised: dict[str, HostKey] = {}
+        """Sessions whose last `Verify` call raised: what `readiness` checks for `verify_failed`, not every session."""
         servicer.checkpoint_verify = VERIFY_MODES[verify]
 
     # -- data plane --------------------------------------------------------------------------
@@ -119,6 +121,10 @@ class ResourcesParticipant(Participant):
             await admission.enter(episode, closed=closed, blocks=blocks)
             try:
                 reply = await handler(request, context)
+            except Exception:
+                if method == "Verify":
+                    self._note_verify_failure(request.session_id, episode)
+                raise
             finally:
                 if blocks:
                     admission.leave(episode)
@@ -127,6 +133,14 @@ class ResourcesParticipant(Participant):
 
         return call
 
+    def _note_verify_failure(self, session_id: str, episode: EpisodeKey) -> None:
+        try:
+            slot = self.host.slot(session_id, HostKey(*episode))
+        except GymrpcError:
+            return  # refused before it ran: the session's own flag did not change
+        if slot.verify_failed:
+            self._verify_raised[session_id] = slot.episode
+
     def _observe(self, method: str, request: Any) -> None:
         session_id = request.session_id
         self._pending.pop(session_id, None)
@@ -134,22 +148,38 @@ class ResourcesParticipant(Participant):
             self._tasks[session_id] = request.task
         elif method in ("CloseSession", "DiscardSession"):
             self._tasks.pop(session_id, None)
+        if method in ("Verify", "CloseSession", "DiscardSession", "RestoreSession"):
+            self._verify_raised.pop(session_id, None)  # verified, gone, or a new session under the id
 
     # -- readiness ---------------------------------------------------------------------------
 
     def readiness(self) -> Report:
-        live = self.host.live()
+        """The calls in flight block; no scan of the sessions (except restart_only's restarts, which name them all)."""
         counts = {
-            "sessions": len(live),
+            "sessions": len(self.host),
             "restored_pending": len(self._pending),
-            "verify_failed": sum(slot.verify_failed for slot in live.values()),
+            "verify_failed": self._verify_failures(),
         }
         if self.mode is CheckpointMode.RESTART_ONLY:
-            restarts = {_key(s.episode) for s in live.values()}
+            restarts = {_key(s.episode) for s in self.host.live().values()}
             return Report(restarts=tuple(sorted(restarts)), counts=counts)
         in_flight = self.admission.in_flight()
         counts["in_flight"] = len(in_flight)
         return Report(blockers=tuple(sorted(in_flight)), counts=counts)
+
+    def _verify_failures(self) -> int:
+        """Live sessions whose last verify raised; forgets the candidates that no longer are."""
+        failed = 0
+        for session_id, episode in list(self._verify_raised.items()):
+            try:
+                slot: Slot | None = self.host.slot(session_id, episode)
+            except GymrpcError:  # closed, or the id now holds another attempt's session
+                slot = None
+            if slot is not None and slot.verify_failed:
+                failed += 1
+            else:
+                del self._verify_raised[session_id]
+        return failed
 
     # -- export ------------------------------------------------------------------------------
 
@@ -325,6 +355,7 @@ class ResourcesParticipant(Participant):
     async def _free(self, session_id: str, episode: EpisodeKey) -> None:
         self._pending.pop(session_id, None)
         self._tasks.pop(session_id, None)
+        self._verify_raised.pop(session_id, None)
         await self.host.close(session_id, HostKey(*episode))
 
     def details(self) -> dict[str, str]:

@@ -6,8 +6,10 @@ changed). The generated stubs are committed and compared with a fresh `buf gener
 
 from __future__ import annotations
 
+import asyncio
 import filecmp
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -18,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gymrpc.balancing import place
+from servers.agent.state import session_id_for
+from tests.control.test_checkpoint_index import EPISODES, ReplicaClient, close, controller_of, seeded
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_PROJECT = ROOT / "clients" / "node"
@@ -36,6 +42,13 @@ AGENT_STACK = {
         {"name": "agent/counter", "role": "agent", "args": {"resources": "resources/counter", "model": "model/policy"}},
     ]
 }
+REPLICA_EPISODES = [f"node-rep-{i}" for i in range(6)]
+
+
+def replica_stack(resources: int) -> dict[str, Any]:
+    """AGENT_STACK with `resources` replicas of resources/counter."""
+    servers = [dict(s, replicas=resources) if s["name"] == "resources/counter" else s for s in AGENT_STACK["servers"]]
+    return {"servers": servers}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +108,34 @@ def test_unit_tests(node_project: Path) -> None:
     assert counts["pass"] >= 10
 
 
+def test_the_node_controller_reads_and_checks_an_index_the_python_controller_wrote(
+    node_project: Path, tmp_path: Path
+) -> None:
+    """One index format for both controllers (`gymrpc.v1.CheckpointIndex` in JSON)."""
+
+    async def checkpoint() -> Path:
+        replicas = await seeded()
+        controller = controller_of(ReplicaClient(replicas))
+        result = await controller.checkpoint(tmp_path, episode_ids=EPISODES, checkpoint_id="c1")
+        await close(replicas)
+        return result.checkpoint_dir
+
+    folder = asyncio.run(checkpoint())
+
+    def inspect() -> subprocess.CompletedProcess[str]:
+        argv = ["node", "bin/gymrpc-node.js", "inspect", str(folder)]
+        return subprocess.run(argv, cwd=node_project, capture_output=True, text=True, timeout=60, check=False)
+
+    read = inspect()
+    assert read.returncode == 0, read.stderr
+    index = json.loads(read.stdout)
+    assert index == json.loads((folder / "checkpoint.json").read_text())
+    (folder / "resources" / "counter#1" / "manifest.json").write_text("{}")
+    refused = inspect()
+    assert refused.returncode == 1
+    assert "resources/counter#1/manifest.json is not the manifest that was committed" in refused.stderr
+
+
 def test_names_episodes_and_a_killed_agent_against_a_python_stack(node_project: Path, start_stack) -> None:
     stack = start_stack()
     counts = node_test(node_project, "test/stack.test.js", GYMRPC_RUN_DIR=str(stack.run_dir))
@@ -103,13 +144,22 @@ def test_names_episodes_and_a_killed_agent_against_a_python_stack(node_project: 
 
 
 def checkpoint_scenario(
-    project: Path, start_stack: Callable[..., Any], first: Any, config: dict, test_file: str, scenario_dir: Path
+    project: Path,
+    start_stack: Callable[..., Any],
+    first: Any,
+    config: dict,
+    test_file: str,
+    scenario_dir: Path,
+    between: Callable[[], None] | None = None,
+    **extra: str,
 ) -> None:
-    """Phase 1 on the `first` stack (it ends by SIGKILLing it), phase 2 on a fresh one of `config`."""
-    env = {"GYMRPC_NODE_SCENARIO_DIR": str(scenario_dir)}
+    """Phase 1 on the `first` stack (it ends by SIGKILLing it), `between`, phase 2 on a fresh one of `config`."""
+    env = {"GYMRPC_NODE_SCENARIO_DIR": str(scenario_dir), **extra}
     counts = node_test(project, test_file, GYMRPC_RUN_DIR=str(first.run_dir), GYMRPC_NODE_PHASE="checkpoint", **env)
     assert counts["pass"] == 1
     assert first.process.wait(timeout=10) == -9  # the Node test SIGKILLed the whole stack
+    if between is not None:
+        between()
 
     fresh = start_stack(config)  # new processes, same run folder
     counts = node_test(project, test_file, GYMRPC_RUN_DIR=str(fresh.run_dir), GYMRPC_NODE_PHASE="restore", **env)
@@ -136,3 +186,45 @@ def test_checkpoint_through_the_agent(node_project: Path, start_stack, tmp_path:
     if "gymrpc.v1.ParticipantService" not in services:
         pytest.skip("the agent server does not serve ParticipantService yet (issue 5)")
     checkpoint_scenario(node_project, start_stack, first, AGENT_STACK, "test/agent-checkpoint.test.js", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_resources_replicas_restores_onto_another_replica_count(
+    node_project: Path, start_stack, tmp_path: Path
+) -> None:
+    """resources/counter x2 -> x3 through the Node controller: every replica is a member, commits its
+    own folder, and installs on restore the sessions `gymrpc.balancing.place` puts on it."""
+    sessions = {e: session_id_for(e, 0) for e in REPLICA_EPISODES}
+    placement = {
+        "checkpoint": {e: place(s, ["0", "1"]) for e, s in sessions.items()},
+        "restore": {e: place(s, ["0", "1", "2"]) for e, s in sessions.items()},
+    }
+    assert len(set(placement["restore"].values())) == 3  # the episodes really spread over every replica
+
+    def python_reads_the_index() -> None:
+        folder = json.loads((tmp_path / "replicas-handover.json").read_text())["checkpointDir"]
+        inspect = subprocess.run(
+            [sys.executable, "-m", "gymrpc.cli", "ctl", "inspect", folder, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert inspect.returncode == 0, inspect.stderr
+        members = json.loads(inspect.stdout)["index"]["members"]
+        assert [(m["name"], m["endpoint_id"]) for m in members if m["name"] == "resources/counter"] == [
+            ("resources/counter", "0"),
+            ("resources/counter", "1"),
+        ]
+
+    first = start_stack(replica_stack(2))
+    checkpoint_scenario(
+        node_project,
+        start_stack,
+        first,
+        replica_stack(3),
+        "test/replicas-checkpoint.test.js",
+        tmp_path,
+        between=python_reads_the_index,
+        GYMRPC_NODE_PLACEMENT=json.dumps(placement),
+    )

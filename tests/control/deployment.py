@@ -22,6 +22,7 @@ import grpc
 
 from envs.counter import CounterEnvironment
 from gymrpc import auth
+from gymrpc.channels import service_channel_options
 from gymrpc.chat import default_tokenizer
 from gymrpc.control import ControlPlane, EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.controller import Controller
@@ -212,22 +213,29 @@ class _Stub:
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         impl = getattr(self._stub, method)
+        metadata = self._metadata
 
         async def call(request: Any, *, timeout: float | None = None) -> Any:
             try:
-                return await impl(request, timeout=timeout, metadata=self._metadata)
+                return await impl(request, timeout=timeout, metadata=metadata)
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc) from exc
 
+        setattr(self, method, call)  # built once per method: later lookups skip __getattr__
         return call
 
 
 @dataclass
 class DirectClient:
-    """What `Controller` uses of `gymrpc.Client` (`participant(name)`), by address instead of registry."""
+    """What `Controller` uses of `gymrpc.Client` (`participant(name)`), by address instead of registry.
+
+    Like `Client`, it keeps one channel and one stub per address and service (`Client.stub_at`), with
+    the channel options of a resolved address (`service_channel_options`: no transparent retries).
+    """
 
     nodes: dict[str, Node] = field(default_factory=dict)
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
+    _stubs: dict[tuple[str, Any], _Stub] = field(default_factory=dict)
 
     def channel(self, name: str) -> grpc.aio.Channel:
         address = self.nodes[name].address
@@ -235,23 +243,31 @@ class DirectClient:
             # A local subchannel pool: a new server may get the port of one just killed, and a shared
             # subchannel to it would still be backing off from "connection refused".
             self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.use_local_subchannel_pool", 1)]
+                address, options=[*service_channel_options(), ("grpc.use_local_subchannel_pool", 1)]
             )
         return self._channels[address]
 
+    def _stub(self, name: str, stub_class: Callable[[grpc.aio.Channel], Any], control: bool) -> Any:
+        key = (self.nodes[name].address, stub_class)
+        stub = self._stubs.get(key)
+        if stub is None:
+            stub = self._stubs[key] = _Stub(self.channel(name), stub_class, control)
+        return stub
+
     def participant(self, name: str) -> Any:
-        return _Stub(self.channel(name), pb_grpc.ParticipantServiceStub, control=True)
+        return self._stub(name, pb_grpc.ParticipantServiceStub, control=True)
 
     def resources(self, name: str) -> Any:
-        return _Stub(self.channel(name), res_grpc.ResourcesServiceStub, control=False)
+        return self._stub(name, res_grpc.ResourcesServiceStub, control=False)
 
     def model(self, name: str) -> Any:
-        return _Stub(self.channel(name), model_grpc.ModelServiceStub, control=False)
+        return self._stub(name, model_grpc.ModelServiceStub, control=False)
 
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close(None)
         self._channels.clear()
+        self._stubs.clear()
 
 
 class Deployment:

@@ -32,6 +32,8 @@ def test_quick_control_bench_reports_figures(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["episodes"] == 100
     assert 0 < figures["prepare_rpc_ms"]["p50"] <= figures["prepare_rpc_ms"]["p99"]
+    staged = figures["prepare_staged_ms"]
+    assert 0 < staged["p50"] <= staged["p99"] <= staged["max"]
     assert figures["commit_ms"]["median"] > 0
     assert figures["restore_ms"] > 0
     assert set(figures["bytes_per_episode_by_kind"]) == {"agent", "model", "resources"}

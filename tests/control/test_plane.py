@@ -221,6 +221,27 @@ def test_lease_auto_aborts_when_the_controller_vanishes(tmp_path: Path) -> None:
     run(main())
 
 
+def test_a_shorter_lease_after_a_resume_still_expires_on_time(tmp_path: Path) -> None:
+    """Renewals do not wake the lease watcher, so this checks the one case that must: a new
+    lease expiring before the time the watcher sleeps until (that of a long, resumed one)."""
+
+    async def main() -> None:
+        control, part = await plane(grace=0.3)
+        await control.prepare("long", time.time() + 60)
+        await asyncio.sleep(0.05)  # the watcher now sleeps for about a minute
+        await control.resume("long")
+        await control.prepare("short", time.time() + 0.1)
+        started = time.monotonic()
+        while control.fence.phase is not Phase.IDLE:
+            assert time.monotonic() - started < 5, "the short lease never expired"
+            await asyncio.sleep(0.02)
+        assert "'short' expired" in control.status().details["last_abort"]
+        assert part.admission.is_open
+        await control.close()
+
+    run(main())
+
+
 def test_a_slow_write_outlives_its_deadline_and_a_retry_waits_for_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

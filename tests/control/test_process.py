@@ -19,7 +19,7 @@ import pytest
 from gymrpc.client import Client
 from gymrpc.control import EpisodeKey, Kind, store
 from gymrpc.controller import Controller, CoordinationError
-from gymrpc.errors import GymrpcError
+from gymrpc.errors import FailedPrecondition, GymrpcError
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as model_pb
 from gymrpc.v1 import participant_service_pb2 as pb
@@ -269,8 +269,14 @@ def test_a_crash_during_commit_leaves_the_previous_checkpoint_intact(start_stack
         async with Client(run_dir=stack.run_dir) as client:
             controller = Controller(client)
             scope = [EpisodeKey(s.rollout_id, 0) for s in boundary]
-            with pytest.raises(CoordinationError) as caught:
+            # No checkpoint.json (a member never committed): refused before any participant is asked.
+            with pytest.raises(FailedPrecondition) as refused:
                 await controller.restore("restore-torn", root / "ckpt-torn", scope)
+            assert refused.value.reason == "CHECKPOINT_INCOMPLETE"
+            # Forced past the index (sources named by hand), the participants refuse it all or nothing.
+            torn = {"resources/counter": ["0"]}
+            with pytest.raises(CoordinationError) as caught:
+                await controller.restore("restore-torn", root / "ckpt-torn", scope, sources=torn)
             assert caught.value.failures["resources/counter"].code.name == "NOT_FOUND"
             status = await controller.status()  # all or nothing: everyone open, nothing restored
             assert all(s.phase == pb.PARTICIPANT_PHASE_IDLE for s in status.values())

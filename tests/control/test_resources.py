@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -270,6 +271,54 @@ def test_restart_only_reports_restarts_and_never_blocks(tmp_path: Path) -> None:
         assert (await server.plane.commit("c1", soon(), str(tmp_path), None)).record_count == 0
         await server.plane.resume("c1")
         await seeding
+        await server.close()
+
+    run(main())
+
+
+class Flaky(Stateless):
+    """Its verify raises while `failing` holds the session's task id."""
+
+    name = "flaky"
+    failing: ClassVar[set[str]] = set()
+
+    class _Flaky(Stateless._Session):
+        def __init__(self, task_id: str) -> None:
+            self.task_id = task_id
+
+        def verify(self, messages: Sequence[Mapping[str, Any]]) -> VerifyResult:
+            if self.task_id in Flaky.failing:
+                raise RuntimeError("reward function crashed")
+            return VerifyResult(1.0)
+
+    def seed(self, task: TaskSpec) -> tuple[Session, Sequence[str]]:
+        return self._Flaky(task.task_id), ()
+
+
+def test_verify_failed_counts_the_sessions_whose_last_verify_raised(tmp_path: Path) -> None:
+    """Readiness checks only the sessions whose verify raised, not every session; the count stays exact."""
+
+    async def main() -> None:
+        server = Server(Flaky())
+        for rollout in ("a", "b", "c"):
+            await server.seed(rollout, counter_task("t", 0, 1, task_id=rollout))
+
+        def failed() -> int:
+            return server.participant.readiness().counts["verify_failed"]
+
+        Flaky.failing.update({"a", "b"})
+        for rollout in ("a", "b", "c"):
+            with contextlib.suppress(GymrpcError, RuntimeError):
+                await server.verify(rollout)
+        assert failed() == 2
+        with pytest.raises(GymrpcError):  # refused before it ran (a stale attempt): a's flag is unchanged
+            await server.verify("a", attempt=5)
+        assert failed() == 2
+        Flaky.failing.discard("a")
+        await server.verify("a")
+        assert failed() == 1
+        await server.servicer.CloseSession(pb.CloseSessionRequest(session_id="b-s", episode_id=ep("b")), None)
+        assert failed() == 0
         await server.close()
 
     run(main())

@@ -51,6 +51,24 @@ def test_round_trip_and_layout(tmp_path: Path) -> None:
     assert [EpisodeKey.of(e) for e in read.episode_ids] == [EpisodeKey("r0", 0), EpisodeKey("r1", 0)]
 
 
+def test_the_manifest_lists_each_episode_once_in_first_record_order(tmp_path: Path) -> None:
+    """Several records under one episode (a session, then the table blocks it names first)."""
+    blocks = [
+        rec_pb.CheckpointRecord(
+            episode_id=EpisodeKey(rollout, 0).to_pb(), table_block=rec_pb.TableBlock(sha256=f"{i}" * 64, data=b"x")
+        )
+        for i, rollout in enumerate(["r1", "r0", "r1"])
+    ]
+    recs = [*records(1, 2)[::-1], *blocks]  # r1's session first, then blocks of r1, r0, r1
+    manifest = write(tmp_path, recs=recs)
+    assert manifest.record_count == 5
+    assert [EpisodeKey.of(e) for e in manifest.episode_ids] == [EpisodeKey("r1", 0), EpisodeKey("r0", 0)]
+    read, got = store.read_checkpoint(tmp_path, Kind.RESOURCES, NAME)  # the reader checks the records, not the list
+    assert store.manifests_equal(read, manifest)
+    assert got == recs
+    assert store.manifests_equal(write(tmp_path, recs=recs), manifest)  # a retried commit replays it
+
+
 def test_manifest_is_create_only(tmp_path: Path) -> None:
     first = write(tmp_path)
     again = write(tmp_path)  # the same commit retried: the existing manifest is the reply

@@ -5,22 +5,25 @@ import { readFileSync } from "node:fs";
 import { parseArgs } from "node:util";
 import { toJson } from "@bufbuild/protobuf";
 import {
+  CheckpointIndexSchema,
   CheckpointManifestSchema,
   ParticipantKind,
   ParticipantPhase,
 } from "../gen/gymrpc/v1/participant_service_pb.js";
-import { Controller, GymClient, episodeId, key, newCheckpointId, taskFromRow } from "../src/index.js";
+import { Controller, GymClient, episodeId, key, newCheckpointId, readIndex, taskFromRow } from "../src/index.js";
 
 const USAGE = `usage: gymrpc-node [--run-dir DIR] COMMAND ...
   endpoints [PREFIX]                      live endpoints (name, address)
   resolve NAME                            current address of a stable name
   run --agent NAME --tasks FILE [--line N] [--episode ID] [--attempt N] [--policy-version V]
                                           run one task row; prints reward, steps, resume count
-  participants                            kind, phase and open checkpoint of every participant
+  participants                            kind, phase and open checkpoint of every participant (replica)
   checkpoint --dir ROOT [--id ID] [--episode ID:ATTEMPT ...] [--timeout S] [--stop]
-                                          prepare, commit into ROOT/ID, resume (--stop: stay closed)
-  restore --dir ROOT/ID --episode ID:ATTEMPT ... [--id RESTORE_ID] [--no-resume]
-                                          restore a checkpoint into a fresh stack, then resume
+                                          prepare, commit into ROOT/ID, index it, resume (--stop: stay closed)
+  restore --dir ROOT/ID --episode ID:ATTEMPT ... [--id RESTORE_ID] [--no-resume] [--source NAME=ID,...]
+                                          restore an indexed checkpoint into a fresh stack, then resume
+                                          (--source: the replicas of NAME that committed; the index is not read)
+  inspect ROOT/ID                         the checkpoint's index, every manifest checked (no stack needed)
   resume ID                               resume (or abort) a checkpoint everywhere`;
 
 const OPTIONS = {
@@ -36,6 +39,7 @@ const OPTIONS = {
   timeout: { type: "string", default: "30" },
   stop: { type: "boolean", default: false },
   "no-resume": { type: "boolean", default: false },
+  source: { type: "string", multiple: true, default: [] },
   help: { type: "boolean", short: "h", default: false },
 };
 
@@ -43,6 +47,7 @@ async function main(argv) {
   const { values, positionals } = parseArgs({ args: argv, options: OPTIONS, allowPositionals: true });
   const [command, ...rest] = positionals;
   if (values.help || !command) return usage(values.help ? 0 : 2);
+  if (command === "inspect") return inspect(required(rest[0], "ROOT/ID"));
   const gym = new GymClient({ runDir: values["run-dir"] });
   try {
     switch (command) {
@@ -124,6 +129,7 @@ async function checkpoint(gym, values) {
     blockers: Object.fromEntries(blockers),
     restarted: result.restarted.map(key),
     manifests: Object.fromEntries(manifests),
+    index: result.index && toJson(CheckpointIndexSchema, result.index, { useProtoFieldName: true }),
   };
   console.log(JSON.stringify(report, null, 2));
   return result.committed ? 0 : 1;
@@ -133,10 +139,25 @@ async function restore(gym, values) {
   const controller = await Controller.discover(gym);
   const restoreId = values.id ?? newCheckpointId("restore");
   const episodeIds = values.episode.map(parseEpisode);
-  const replies = await controller.restore(restoreId, { checkpointDir: required(values.dir, "--dir"), episodeIds });
+  const sources = values.source.length ? Object.fromEntries(values.source.map(parseSource)) : undefined;
+  const checkpointDir = required(values.dir, "--dir");
+  const replies = await controller.restore(restoreId, { checkpointDir, episodeIds, sources });
   if (!values["no-resume"]) await controller.resume(restoreId);
   for (const [name, reply] of replies) console.log(`${name}\t${reply.restored.map(key).join(" ")}`);
   return 0;
+}
+
+/** Print a checkpoint's index as JSON once every manifest it lists checks out; exit 1 if a restore would refuse it. */
+function inspect(checkpointDir) {
+  const index = readIndex(checkpointDir);
+  console.log(JSON.stringify(toJson(CheckpointIndexSchema, index, { useProtoFieldName: true }), null, 2));
+  return 0;
+}
+
+function parseSource(text) {
+  const match = /^([^=]+)=([A-Za-z0-9][A-Za-z0-9._,-]*)$/.exec(text);
+  if (!match) throw new Error(`--source ${JSON.stringify(text)} must be NAME=ID[,ID...]`);
+  return [match[1], match[2].split(",")];
 }
 
 function parseEpisode(text) {

@@ -4,6 +4,9 @@
 // again and is retried with full-jitter backoff until the call's overall deadline, as is one
 // that fails with ABORTED and a RetryInfo delay (an episode lease is held). Only methods the
 // protocol marks idempotent or side-effect free are retried, which in gymrpc.v1 is all of them.
+// A name with replicas: calls by name go to its first endpoint (no session affinity here: drive
+// replicated resources and models through an agent), while a controller pins each control call
+// to one replica by its endpoint id (`participant(name, endpointId)`).
 import { Code, createClient } from "@connectrpc/connect";
 import { create } from "@bufbuild/protobuf";
 import { MethodOptions_IdempotencyLevel } from "@bufbuild/protobuf/wkt";
@@ -23,13 +26,15 @@ export const DEFAULT_TIMEOUT_MS = 60_000;
 /** Default overall deadline of `run`: episodes are long and may outlive several agent restarts. */
 export const RUN_TIMEOUT_MS = 4 * 3600_000;
 const NAME = /^[a-z0-9][a-z0-9_.-]{0,62}\/[a-z0-9][a-z0-9_.-]{0,62}$/;
+export const ENDPOINT_ID = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 const RETRYABLE_LEVELS = new Set([
   MethodOptions_IdempotencyLevel.NO_SIDE_EFFECTS,
   MethodOptions_IdempotencyLevel.IDEMPOTENT,
 ]);
 
 export class GymClient {
-  #addresses = new Map(); // name -> address
+  #addresses = new Map(); // name -> address of its first endpoint
+  #replicas = new Map(); // name -> Map(endpoint id -> address)
   #known = new Set(); // names resolved once: a later NOT_FOUND from the registry means "restarting"
   #connections = new Map(); // address -> {transport, close, clients: Map}
   #registry;
@@ -67,8 +72,9 @@ export class GymClient {
     return this.service(ModelService, name);
   }
 
-  participant(name) {
-    return this.service(ParticipantService, name);
+  /** Control calls to `name`; with `endpointId`, to that replica of it (a controller addresses each). */
+  participant(name, endpointId) {
+    return this.service(ParticipantService, name, { endpointId });
   }
 
   /**
@@ -86,10 +92,14 @@ export class GymClient {
     return reply.trajectory;
   }
 
-  /** Current address of `name`: cached, or asked of the registry. */
-  async resolve(name, { fresh = false } = {}) {
+  /**
+   * Current address of `name` (its first endpoint), or of its replica `endpointId`: cached, or
+   * asked of the registry. A replica not registered right now (restarting) is UNAVAILABLE.
+   */
+  async resolve(name, { fresh = false, endpointId } = {}) {
     if (!NAME.test(name)) throw new Error(`service name ${JSON.stringify(name)} is invalid: expected role/instance`);
-    if (!fresh && this.#addresses.has(name)) return this.#addresses.get(name);
+    const cached = endpointId === undefined ? this.#addresses.get(name) : this.#replicas.get(name)?.get(endpointId);
+    if (!fresh && cached !== undefined) return cached;
     let reply;
     try {
       reply = await this.registry.resolve({ name }, { timeoutMs: 10_000 });
@@ -106,8 +116,17 @@ export class GymClient {
     }
     const address = reply.endpoints[0].address;
     this.#addresses.set(name, address);
+    this.#replicas.set(name, new Map(reply.endpoints.map((e) => [e.endpointId || "0", e.address])));
     this.#known.add(name);
-    return address;
+    if (endpointId === undefined) return address;
+    const replica = this.#replicas.get(name).get(endpointId);
+    if (replica === undefined) {
+      throw new GymrpcError(`replica ${endpointId} of ${name} is not registered right now (restarting?)`, {
+        code: Code.Unavailable,
+        metadata: { name, endpoint_id: endpointId },
+      });
+    }
+    return replica;
   }
 
   /** Every live endpoint, optionally under a name prefix. */
@@ -126,25 +145,29 @@ export class GymClient {
    * (a stream that broke needs an application-level resume).
    * Call options: Connect's (`timeoutMs` is the overall deadline, retries included; `signal`).
    */
-  service(service, name) {
+  service(service, name, { endpointId } = {}) {
     if (!NAME.test(name)) throw new Error(`service name ${JSON.stringify(name)} is invalid: expected role/instance`);
+    if (endpointId !== undefined && !ENDPOINT_ID.test(endpointId)) {
+      throw new Error(`endpoint id ${JSON.stringify(endpointId)} is invalid: expected ${ENDPOINT_ID.source}`);
+    }
+    const target = { name, endpointId };
     const methods = {};
     for (const method of service.methods) {
       methods[method.localName] =
         method.methodKind === "unary"
-          ? (request, options) => this.#unary(service, method, name, request, options)
-          : (request, options) => this.#stream(service, method, name, request, options);
+          ? (request, options) => this.#unary(service, method, target, request, options)
+          : (request, options) => this.#stream(service, method, target, request, options);
     }
     return methods;
   }
 
-  async #unary(service, method, name, request, options = {}) {
+  async #unary(service, method, { name, endpointId }, request, options = {}) {
     const deadline = Date.now() + (options.timeoutMs ?? this.timeoutMs);
     const retryable = RETRYABLE_LEVELS.has(method.idempotency);
     for (let attempt = 0; ; attempt++) {
       let err;
       try {
-        const client = this.#clientAt(service, await this.resolve(name, { fresh: attempt > 0 }));
+        const client = this.#clientAt(service, await this.resolve(name, { fresh: attempt > 0, endpointId }));
         return await client[method.localName](request, { ...options, timeoutMs: Math.max(1, deadline - Date.now()) });
       } catch (caught) {
         err = toGymrpcError(caught);
@@ -155,8 +178,8 @@ export class GymClient {
     }
   }
 
-  async *#stream(service, method, name, request, options = {}) {
-    const client = this.#clientAt(service, await this.resolve(name));
+  async *#stream(service, method, { name, endpointId }, request, options = {}) {
+    const client = this.#clientAt(service, await this.resolve(name, { endpointId }));
     try {
       yield* client[method.localName](request, options);
     } catch (err) {
@@ -168,6 +191,7 @@ export class GymClient {
   #retryDelay(err, name, attempt) {
     if (err.code === Code.Unavailable) {
       this.#addresses.delete(name);
+      this.#replicas.delete(name);
       return Math.random() * Math.min(1000, 50 * 2 ** attempt); // full jitter, capped at 1 s
     }
     if (err.code === Code.Aborted && err.retryDelayMs !== undefined) return err.retryDelayMs;

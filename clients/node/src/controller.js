@@ -1,18 +1,23 @@
 // A coordinated-checkpoint controller (SPEC §7) over `gymrpc.v1.ParticipantService`.
 //
-// Every server of a stack is a participant. The controller finds them through the registry,
-// prepares them stage by stage (environment, model, agent, resources: each stage parks what
-// the next one waits on), commits all at once, resumes in reverse order, and restores a
-// committed checkpoint into fresh processes all or nothing. Participants do the fencing,
-// idempotency and lease work; the controller's duties are the orders, the deadlines, and
-// cleaning up after a failed restore. Every call carries an absolute deadline, which also
-// sets the participant's lease: a controller that vanishes leaves nothing closed for long.
+// Every server of a stack is a participant, and every replica of a name a participant of its
+// own: the controller finds them through the registry (every endpoint it lists) and calls each
+// at its own address. It prepares them stage by stage (environment, model, agent, resources:
+// each stage parks what the next one waits on), commits all at once and then writes the
+// checkpoint's index (`checkpoints.js`), resumes in reverse order, and restores an indexed
+// checkpoint into fresh processes all or nothing, onto any number of replicas: each replica is
+// told which replicas committed, which replicas there are now and which one it is, and installs
+// the records placed on it. Participants do the fencing, idempotency, lease and placement work;
+// the controller's duties are the orders, the deadlines, and cleaning up after a failed
+// restore. Every call carries an absolute deadline, which also sets the participant's lease: a
+// controller that vanishes leaves nothing closed for long.
 import path from "node:path";
 import { create } from "@bufbuild/protobuf";
 import { timestampFromMs } from "@bufbuild/protobuf/wkt";
 import { Code } from "@connectrpc/connect";
 import { EpisodeIdSchema } from "../gen/gymrpc/v1/common_pb.js";
 import { ParticipantKind, ParticipantPhase } from "../gen/gymrpc/v1/participant_service_pb.js";
+import { compareIds, indexSources, readIndex, writeIndex } from "./checkpoints.js";
 import { toGymrpcError } from "./errors.js";
 
 export const PREPARE_ORDER = [
@@ -34,7 +39,7 @@ const CLEANUP_MS = 30_000;
 /** Slack past the deadline before the call itself gives up: the participant enforces the deadline. */
 const CALL_SLACK_MS = 5_000;
 
-/** Failures of one step, by participant name. */
+/** Failures of one step, by member label (`name`, or `name#endpointId` for a name with replicas). */
 export class CoordinationError extends Error {
   /** @param {string} operation @param {Map<string, import("./errors.js").GymrpcError>} failures */
   constructor(operation, failures) {
@@ -56,36 +61,34 @@ export function episodeId(rolloutId, attempt = 0) {
   return create(EpisodeIdSchema, { rolloutId, attempt });
 }
 
+/** The key of a member in every reply map: `name`, or `name#endpointId` when the name has replicas. */
+export function memberLabel(name, endpointId, replicas = 1) {
+  return endpointId === undefined || replicas <= 1 ? name : `${name}#${endpointId}`;
+}
+
 export class Controller {
   /**
    * @param {import("./client.js").GymClient} client
-   * @param {{name: string, kind: ParticipantKind}[]} participants
+   * @param {{name: string, kind: ParticipantKind, endpointId?: string, replicas?: number}[]} participants
+   *   members; without `endpointId` a member is reached by name (its first endpoint)
+   * @param {{prefix?: string}} [options] set by `discover`: a restore discovers again with it
    */
-  constructor(client, participants) {
+  constructor(client, participants, { prefix } = {}) {
     this.client = client;
-    this.participants = [...participants].sort(
-      (a, b) => PREPARE_ORDER.indexOf(a.kind) - PREPARE_ORDER.indexOf(b.kind) || a.name.localeCompare(b.name),
-    );
+    this.prefix = prefix;
+    this.participants = sortMembers(participants);
   }
 
   /**
-   * Every registered server that serves ParticipantService (one that answers UNIMPLEMENTED is
-   * not a participant and is left out; any other failure fails discovery).
+   * Every registered endpoint that serves ParticipantService, each replica a member of its own
+   * (one that answers UNIMPLEMENTED is not a participant and is left out; any other failure
+   * fails discovery).
    */
   static async discover(client, { prefix = "" } = {}) {
-    const names = [...new Set((await client.endpoints(prefix)).map((e) => e.name))];
-    const { replies, failures } = await fanOut(names, (name) =>
-      client.participant(name).getStatus({}, { timeoutMs: 10_000 }),
-    );
-    for (const [name, err] of failures) if (err.code === Code.Unimplemented) failures.delete(name);
-    if (failures.size) throw new CoordinationError("discover", failures);
-    return new Controller(
-      client,
-      [...replies].map(([name, status]) => ({ name, kind: status.kind })),
-    );
+    return new Controller(client, await discoverMembers(client, prefix), { prefix });
   }
 
-  /** GetStatus of every participant, by name. */
+  /** GetStatus of every participant, by label. */
   async status() {
     return this.#all("status", this.participants, (stub) => stub.getStatus({}, { timeoutMs: 10_000 }));
   }
@@ -102,7 +105,7 @@ export class Controller {
       const stageReplies = await this.#all("prepare", stage, (stub) =>
         stub.prepare({ checkpointId, deadline: timestampFromMs(deadlineMs) }, callOptions(deadlineMs)),
       );
-      for (const [name, reply] of stageReplies) replies.set(name, reply);
+      for (const [label, reply] of stageReplies) replies.set(label, reply);
       if ([...stageReplies.values()].some((r) => r.phase !== ParticipantPhase.PREPARED)) {
         return new PrepareResult(false, replies);
       }
@@ -112,10 +115,15 @@ export class Controller {
 
   /**
    * Commit every participant at once. `episodeIds` must name every episode the controller
-   * continues (an empty list commits none); left out, every parked one.
+   * continues (an empty list commits none); left out, every parked one. Once every member
+   * committed, the checkpoint's index (`checkpoint.json`) is written into the folder, last.
    * @returns {Promise<Map<string, object>>} the manifest each participant wrote
    */
-  async commit(checkpointId, { checkpointDir, episodeIds, deadlineMs = defaultDeadline(), stop = false }) {
+  async commit(checkpointId, options) {
+    return (await this.#commit(checkpointId, options)).manifests;
+  }
+
+  async #commit(checkpointId, { checkpointDir, episodeIds, deadlineMs = defaultDeadline(), stop = false }) {
     const request = {
       checkpointId,
       checkpointDir: path.resolve(checkpointDir),
@@ -127,7 +135,13 @@ export class Controller {
     const replies = await this.#all("commit", this.participants, (stub) =>
       stub.commit(request, callOptions(deadlineMs)),
     );
-    return new Map([...replies].map(([name, reply]) => [name, reply.manifest]));
+    const manifests = new Map([...replies].map(([label, reply]) => [label, reply.manifest]));
+    const index = writeIndex(
+      request.checkpointDir,
+      checkpointId,
+      this.participants.map((p) => manifests.get(p.label)),
+    );
+    return { manifests, index };
   }
 
   /**
@@ -139,33 +153,49 @@ export class Controller {
     const failures = new Map();
     const replies = new Map();
     for (const kind of RESUME_ORDER) {
-      const stage = this.participants.filter((p) => p.kind === kind).map((p) => p.name);
-      const result = await fanOut(stage, (name) =>
-        this.client.participant(name).resume({ checkpointId }, { timeoutMs: 10_000 }),
-      );
-      result.replies.forEach((reply, name) => replies.set(name, reply));
-      result.failures.forEach((err, name) => failures.set(name, err));
+      const stage = this.participants.filter((p) => p.kind === kind);
+      const result = await fanOut(stage, (p) => stub(this.client, p).resume({ checkpointId }, { timeoutMs: 10_000 }));
+      result.replies.forEach((reply, label) => replies.set(label, reply));
+      result.failures.forEach((err, label) => failures.set(label, err));
     }
     if (failures.size) throw new CoordinationError("resume", failures);
     return replies;
   }
 
   /**
-   * Install a committed checkpoint into fresh processes, all or nothing: if any participant
+   * Install an indexed checkpoint into fresh processes, all or nothing: if any participant
    * fails, the new attempts are retired everywhere and everyone is resumed before the error
    * is raised. On success the participants are RESTORED; `resume` reopens admission.
-   * @param {{checkpointDir: string, episodeIds: object[], deadlineMs?: number}} args
+   *
+   * The replicas that committed are those the checkpoint's index lists (each manifest checked
+   * against it first); a folder without an index is refused, as incomplete, before anything is
+   * installed. Each replica registered now (discovered again, for a controller from `discover`)
+   * installs the records placed on it, so the replica counts may differ from the checkpoint's.
+   * @param {{checkpointDir: string, episodeIds: object[], deadlineMs?: number,
+   *   sources?: Map<string, string[]> | Record<string, string[]>}} args
    *   `episodeIds`: the checkpointed attempts to continue; each comes back as attempt + 1.
+   *   `sources`: name → endpoint ids that committed; given, the index is not read (a folder
+   *   committed by hand, or one this process cannot see): the caller vouches for them.
    */
-  async restore(checkpointId, { checkpointDir, episodeIds, deadlineMs = defaultDeadline() }) {
-    const request = {
-      checkpointId,
-      checkpointDir: path.resolve(checkpointDir),
-      episodeIds,
-      deadline: timestampFromMs(deadlineMs),
+  async restore(checkpointId, { checkpointDir, episodeIds, deadlineMs = defaultDeadline(), sources }) {
+    const folder = path.resolve(checkpointDir);
+    const from = sources === undefined ? indexSources(readIndex(folder)) : new Map(Object.entries(toObject(sources)));
+    // Placement is over the replicas registered now, never over those of a stack seen earlier.
+    if (this.prefix !== undefined) this.participants = sortMembers(await discoverMembers(this.client, this.prefix));
+    const replicas = new Map();
+    for (const p of this.participants) {
+      if (p.endpointId !== undefined) replicas.set(p.name, [...(replicas.get(p.name) ?? []), p.endpointId]);
+    }
+    const request = (p) => {
+      const out = { checkpointId, checkpointDir: folder, episodeIds, deadline: timestampFromMs(deadlineMs) };
+      const committed = from.get(p.name);
+      if (p.endpointId === undefined || !committed?.length) return out;
+      return { ...out, sourceEndpointIds: committed, endpointIds: replicas.get(p.name), endpointId: p.endpointId };
     };
     try {
-      return await this.#all("restore", this.participants, (stub) => stub.restore(request, callOptions(deadlineMs)));
+      return await this.#all("restore", this.participants, (stub, p) =>
+        stub.restore(request(p), callOptions(deadlineMs)),
+      );
     } catch (err) {
       const next = episodeIds.map((e) => episodeId(e.rolloutId, e.attempt + 1));
       const cleanupMs = Math.max(deadlineMs, Date.now() + CLEANUP_MS);
@@ -189,7 +219,7 @@ export class Controller {
           callOptions(deadlineMs),
         ),
       );
-      replies.forEach((reply, name) => retired.set(name, reply.retired));
+      replies.forEach((reply, label) => retired.set(label, reply.retired));
     }
     return retired;
   }
@@ -202,7 +232,7 @@ export class Controller {
       const replies = await this.#all("forget", stage, (stub) =>
         stub.forget({ checkpointId: operationId, rolloutIds }, { timeoutMs: 10_000 }),
       );
-      replies.forEach((reply, name) => forgotten.set(name, reply.forgotten));
+      replies.forEach((reply, label) => forgotten.set(label, reply.forgotten));
     }
     return forgotten;
   }
@@ -230,10 +260,13 @@ export class Controller {
       checkpointDir: path.join(path.resolve(root), checkpointId),
       prepare: new PrepareResult(false, new Map()),
       manifests: new Map(),
+      /** The checkpoint's index, written once every member committed. */
+      index: undefined,
       continued: [],
       restarted: [],
+      /** Every member committed and the index is written: the checkpoint can be restored. */
       get committed() {
-        return this.manifests.size > 0;
+        return this.manifests.size > 0 && this.index !== undefined;
       },
     };
     try {
@@ -244,12 +277,12 @@ export class Controller {
           result.continued = episodeIds.filter((e) => !restarts.has(key(e)));
           result.restarted = episodeIds.filter((e) => restarts.has(key(e)));
         }
-        result.manifests = await this.commit(checkpointId, {
+        ({ manifests: result.manifests, index: result.index } = await this.#commit(checkpointId, {
           checkpointDir: result.checkpointDir,
           episodeIds: episodeIds === undefined ? undefined : result.continued,
           deadlineMs: Date.now() + timeoutMs,
           stop,
-        });
+        }));
       }
     } catch (err) {
       await this.resume(checkpointId).catch(() => {}); // unreachable ones abort when their lease runs out
@@ -259,24 +292,65 @@ export class Controller {
     return result;
   }
 
-  /** Run `call` on each participant at once; all replies by name, or a CoordinationError. */
+  /** Run `call(stub, member)` on each member at once; all replies by label, or a CoordinationError. */
   async #all(operation, participants, call) {
-    const { replies, failures } = await fanOut(
-      participants.map((p) => p.name),
-      (name) => call(this.client.participant(name)),
-    );
+    const { replies, failures } = await fanOut(participants, (p) => call(stub(this.client, p), p));
     if (failures.size) throw new CoordinationError(operation, failures);
     return replies;
   }
 }
 
-async function fanOut(names, call) {
-  const settled = await Promise.allSettled(names.map((name) => call(name)));
+/** Every registered endpoint under `prefix` that is a participant: `{name, kind, endpointId, replicas}`. */
+async function discoverMembers(client, prefix) {
+  const ids = new Map();
+  for (const e of await client.endpoints(prefix)) {
+    ids.set(e.name, (ids.get(e.name) ?? new Set()).add(e.endpointId || "0"));
+  }
+  const targets = [...ids].flatMap(([name, found]) =>
+    [...found].map((endpointId) => ({ name, endpointId, replicas: found.size })),
+  );
+  const { replies, failures } = await fanOut(targets, (t) =>
+    client.participant(t.name, t.endpointId).getStatus({}, { timeoutMs: 10_000 }),
+  );
+  for (const [label, err] of failures) if (err.code === Code.Unimplemented) failures.delete(label);
+  if (failures.size) throw new CoordinationError("discover", failures);
+  return targets.filter((t) => replies.has(labelOf(t))).map((t) => ({ ...t, kind: replies.get(labelOf(t)).kind }));
+}
+
+/** Prepare order, then name, then endpoint id; each member gets its `label`. */
+function sortMembers(members) {
+  return members
+    .map((m) => ({ ...m, replicas: m.replicas ?? 1, label: labelOf(m) }))
+    .sort(
+      (a, b) =>
+        PREPARE_ORDER.indexOf(a.kind) - PREPARE_ORDER.indexOf(b.kind) ||
+        (a.name < b.name ? -1 : a.name > b.name ? 1 : 0) ||
+        compareIds(a.endpointId ?? "0", b.endpointId ?? "0"),
+    );
+}
+
+function labelOf(member) {
+  return memberLabel(member.name, member.endpointId, member.replicas ?? 1);
+}
+
+/** The member's control stub: its own replica, or its name (first endpoint) without an endpoint id. */
+function stub(client, member) {
+  const { name, endpointId } = member;
+  return endpointId === undefined ? client.participant(name) : client.participant(name, endpointId);
+}
+
+function toObject(sources) {
+  return sources instanceof Map ? Object.fromEntries(sources) : sources;
+}
+
+async function fanOut(targets, call) {
+  const settled = await Promise.allSettled(targets.map((t) => call(t)));
   const replies = new Map();
   const failures = new Map();
   settled.forEach((result, i) => {
-    if (result.status === "fulfilled") replies.set(names[i], result.value);
-    else failures.set(names[i], toGymrpcError(result.reason));
+    const label = labelOf(targets[i]);
+    if (result.status === "fulfilled") replies.set(label, result.value);
+    else failures.set(label, toGymrpcError(result.reason));
   });
   return { replies, failures };
 }
@@ -294,7 +368,7 @@ export function key(episode) {
   return `${episode.rolloutId}/a${episode.attempt}`;
 }
 
-/** Prepare replies of the stages reached, by participant name. */
+/** Prepare replies of the stages reached, by member label. */
 export class PrepareResult {
   constructor(prepared, replies) {
     this.prepared = prepared;

@@ -1,5 +1,6 @@
 // gymrpc controller library for Node: stable names, episodes, coordinated checkpoints.
-export { GymClient, CONTROL_SERVICES, DEFAULT_TIMEOUT_MS, RUN_TIMEOUT_MS } from "./client.js";
+export { GymClient, CONTROL_SERVICES, DEFAULT_TIMEOUT_MS, ENDPOINT_ID, RUN_TIMEOUT_MS } from "./client.js";
+export { INDEX, compareIds, indexSources, manifestPath, readIndex, writeIndex } from "./checkpoints.js";
 export {
   Controller,
   CoordinationError,
@@ -9,6 +10,7 @@ export {
   RETIRE_ORDER,
   episodeId,
   key,
+  memberLabel,
   newCheckpointId,
 } from "./controller.js";
 export { GymrpcError, toGymrpcError, codeName } from "./errors.js";

@@ -7,16 +7,18 @@ import path from "node:path";
 import { fromBinary } from "@bufbuild/protobuf";
 import { BinaryReader } from "@bufbuild/protobuf/wire";
 import { CheckpointRecordSchema } from "../gen/gymrpc/v1/checkpoint_records_pb.js";
-import { ParticipantKind } from "../gen/gymrpc/v1/participant_service_pb.js";
+import { manifestPath } from "./checkpoints.js";
 
 /**
  * The records one participant committed, checked against its manifest.
  * @param {string} checkpointDir the checkpoint's folder (`<root>/<checkpoint_id>`)
- * @param {{kind: ParticipantKind, name: string, recordsFile: string, sha256: string, recordCount: bigint}} manifest
- *   from `CommitResponse.manifest`; the file is `<checkpointDir>/<kind>/<instance>/<recordsFile>`
+ * @param {{kind: number, name: string, endpointId: string, recordsFile: string, sha256: string,
+ *   recordCount: bigint}} manifest from `CommitResponse.manifest`; the file is
+ *   `<checkpointDir>/<kind>/<instance>[#<endpointId>]/<recordsFile>`
  */
 export function readRecords(checkpointDir, manifest) {
-  const folder = path.join(checkpointDir, ParticipantKind[manifest.kind].toLowerCase(), manifest.name.split("/")[1]);
+  const where = manifestPath(manifest.kind, manifest.name, manifest.endpointId);
+  const folder = path.dirname(path.join(checkpointDir, where));
   const bytes = readFileSync(path.join(folder, manifest.recordsFile));
   const sha256 = createHash("sha256").update(bytes).digest("hex");
   if (sha256 !== manifest.sha256) throw new Error(`${manifest.name}: records sha256 ${sha256} != manifest's`);

@@ -230,6 +230,15 @@ export declare type EpisodeCheckpoint = Message<"gymrpc.v1.EpisodeCheckpoint"> &
    * @generated from field: google.protobuf.Duration parked = 26;
    */
   parked?: Duration | undefined;
+
+  /**
+   * Calls of the episode that moved to another replica after theirs failed,
+   * counted by every process that ran it so far (`Trajectory.failovers`):
+   * a continued run adds its own moves to this.
+   *
+   * @generated from field: uint32 failovers = 27;
+   */
+  failovers: number;
 };
 
 /**

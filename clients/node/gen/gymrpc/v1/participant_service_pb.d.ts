@@ -451,6 +451,108 @@ export declare type CheckpointManifest = Message<"gymrpc.v1.CheckpointManifest">
 export declare const CheckpointManifestSchema: GenMessage<CheckpointManifest>;
 
 /**
+ * The controller's record of one whole coordinated checkpoint:
+ * `<checkpoint_dir>/checkpoint.json`, this message in JSON. The controller
+ * writes it after every member's commit succeeded, last and create-only
+ * (an fsynced temporary file linked into place, then the folder fsynced),
+ * so a folder without it is not a complete checkpoint: some member's commit
+ * failed (and left no manifest, which a reader cannot tell from a replica
+ * that never existed) or the controller died first. A restore reads
+ * exactly the replicas listed (`RestoreRequest.source_endpoint_ids`) after
+ * checking each manifest file against its sha256, and refuses a folder
+ * without an index unless told the sources explicitly.
+ *
+ * @generated from message gymrpc.v1.CheckpointIndex
+ */
+export declare type CheckpointIndex = Message<"gymrpc.v1.CheckpointIndex"> & {
+  /**
+   * Checkpoint id; every listed manifest holds it.
+   *
+   * @generated from field: string checkpoint_id = 1;
+   */
+  checkpointId: string;
+
+  /**
+   * When the index was written.
+   *
+   * @generated from field: google.protobuf.Timestamp create_time = 2;
+   */
+  createTime?: Timestamp | undefined;
+
+  /**
+   * Version of the index layout; currently 1.
+   *
+   * @generated from field: uint32 schema_version = 3;
+   */
+  schemaVersion: number;
+
+  /**
+   * Every member that committed, one per replica, in discovery order.
+   *
+   * @generated from field: repeated gymrpc.v1.CheckpointIndexMember members = 4;
+   */
+  members: CheckpointIndexMember[];
+};
+
+/**
+ * Describes the message gymrpc.v1.CheckpointIndex.
+ * Use `create(CheckpointIndexSchema)` to create a new message.
+ */
+export declare const CheckpointIndexSchema: GenMessage<CheckpointIndex>;
+
+/**
+ * One committed member (a replica of a name) of a `CheckpointIndex`.
+ *
+ * @generated from message gymrpc.v1.CheckpointIndexMember
+ */
+export declare type CheckpointIndexMember = Message<"gymrpc.v1.CheckpointIndexMember"> & {
+  /**
+   * Participant name, `role/instance`.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * Participant kind.
+   *
+   * @generated from field: gymrpc.v1.ParticipantKind kind = 2;
+   */
+  kind: ParticipantKind;
+
+  /**
+   * Replica of `name` that committed (`CheckpointManifest.endpoint_id`,
+   * `0` without replicas).
+   *
+   * @generated from field: string endpoint_id = 3;
+   */
+  endpointId: string;
+
+  /**
+   * Its `manifest.json`, relative to the checkpoint folder:
+   * `<kind>/<instance>/manifest.json` for replica `0`,
+   * `<kind>/<instance>#<endpoint_id>/manifest.json` otherwise (`kind`
+   * lowercase without its prefix, for example `resources`).
+   *
+   * @generated from field: string manifest_path = 4;
+   */
+  manifestPath: string;
+
+  /**
+   * Lowercase hex sha256 of the manifest file's bytes as written.
+   *
+   * @generated from field: string manifest_sha256 = 5;
+   */
+  manifestSha256: string;
+};
+
+/**
+ * Describes the message gymrpc.v1.CheckpointIndexMember.
+ * Use `create(CheckpointIndexMemberSchema)` to create a new message.
+ */
+export declare const CheckpointIndexMemberSchema: GenMessage<CheckpointIndexMember>;
+
+/**
  * Request of `ParticipantService.Resume`.
  *
  * @generated from message gymrpc.v1.ResumeRequest
