@@ -126,3 +126,42 @@ def test_client_finds_the_stack_from_the_run_folder_alone(start_stack, monkeypat
 def test_no_stack_gives_an_actionable_error(run_dir):
     with pytest.raises(FileNotFoundError, match="gymrpc up"):
         gymrpc.Client(run_dir=run_dir)
+
+
+def test_a_registry_killed_and_restarted_gets_every_name_back_while_calls_go_on(start_stack):
+    """The registry keeps no state on disk: servers re-register on their next renewal, and
+    clients keep calling the addresses they resolved while it is down."""
+    stack = start_stack({**COUNTER, "lease_ttl": 1.5})
+    before = stack.server("registry/main")
+
+    async def scenario() -> tuple[int, int]:
+        async with gymrpc.Client(run_dir=stack.run_dir, retry=RetryPolicy(deadline=30)) as client:
+            counter = client.resources("resources/counter")
+            await counter.ListTools(pb.ListToolsRequest())
+            stack.kill("registry/main")
+            ok = failed = 0
+            started = time.monotonic()
+            while time.monotonic() - started < 3:  # through the registry's restart
+                try:
+                    await counter.ListTools(pb.ListToolsRequest())
+                    ok += 1
+                except errors.GymrpcError:
+                    failed += 1
+                await asyncio.sleep(0.01)
+            return ok, failed
+
+    ok, failed = asyncio.run(scenario())
+    after = stack.wait_for("registry/main", lambda s: s["state"] == "serving")
+    assert (after["restarts"], after["last_exit"]) == (1, "signal SIGKILL")
+    assert after["pid"] != before["pid"]
+    assert ok > 10
+    assert failed == 0
+
+    async def resolve_fresh() -> str:
+        # A new client knows nothing: it must find the name in the restarted registry.
+        async with gymrpc.Client(run_dir=stack.run_dir, retry=RetryPolicy(deadline=15)) as client:
+            reply = await client.resources("resources/counter").ListTools(pb.ListToolsRequest())
+            assert reply.environment == "counter"
+            return await client.resolve("resources/counter")
+
+    assert asyncio.run(resolve_fresh()) == stack.server("resources/counter")["address"]
