@@ -1,10 +1,12 @@
 """`gymrpc demo`: the main job in one command, with no GPU and no downloads.
 
-Starts the embedded default stack in a fresh run folder, collects rollouts of the counter
-and blackjack example tasks through their agents, SIGKILLs the model server a third of the
-way through, and shows that the supervisor brings it back on a new port under the same
-name while every episode still completes: model calls are idempotent, and the agents'
-`gymrpc.Client` re-resolves `model/policy` and retries them.
+Starts the embedded default stack in a fresh run folder, with every agent checkpointing its
+episodes at each boundary (`--resume-dir`, one folder per agent), collects rollouts of the
+counter and blackjack example tasks, and SIGKILLs servers mid-run: by default the model server a
+third of the way through and `agent/counter` at two thirds. The supervisor brings each back on a
+new port under the same name; model calls are idempotent and retried by name, and the episodes
+the killed agent held continue on its new process from their last checkpoint (`resume_count`),
+not from the start. Every episode completes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -30,6 +33,7 @@ from gymrpc import logs, rundir
 
 if TYPE_CHECKING:  # the command line imports this module; the stack's modules load only when it runs
     from gymrpc.launch.local import LocalLauncher, ServerState
+    from gymrpc.launch.spec import StackSpec
     from gymrpc.rollouts import Progress, Summary
 
 DEFAULT_DIR = Path(".gymrpc") / "demo"
@@ -37,6 +41,8 @@ MARKER = "demo.json"
 KILLABLE = ("model/policy", "agent/counter", "agent/blackjack")
 """Servers whose death costs no episode: model calls and whole `Run`s are retried by name."""
 ENVS = ("counter", "blackjack")
+POLICY_VERSION = "demo-policy-1"
+"""The weights every episode runs with: a resumed episode continues only under the same version."""
 MAX_SOCKET_PATH = 100
 
 
@@ -45,9 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="episodes at once per env (default %(default)s)")
     parser.add_argument(
         "--kill",
-        default="model/policy",
-        choices=(*KILLABLE, "none"),
-        help="server to SIGKILL a third of the way through (default %(default)s)",
+        default="model/policy,agent/counter",
+        type=_kill_list,
+        help=f"servers to SIGKILL, spread over the run, comma-separated from {', '.join(KILLABLE)}, "
+        "or none (default %(default)s)",
     )
     model = parser.add_argument_group("a real model instead of the scripted policy (needs vLLM; see README)")
     model.add_argument("--model-path", help="serve model/policy with vLLM from this HF model directory")
@@ -55,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--tensor-parallel-size", type=int, help="GPUs for the model")
     model.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     model.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB")
+
+
+def _kill_list(text: str) -> list[str]:
+    names = [] if text == "none" else [n.strip() for n in text.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in KILLABLE]:
+        raise argparse.ArgumentTypeError(f"cannot kill {', '.join(unknown)}: choose from {', '.join(KILLABLE)} or none")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError("each server at most once")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +130,8 @@ class _Kill:
 
     name: str
     at_done: int
+    """Episodes done (of `env`'s agent, or of all) when it dies."""
+    env: str | None = None
     pid: int | None = None
     address: str | None = None
     in_flight: int = 0
@@ -131,7 +149,7 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
     from gymrpc.rollouts import EpisodeResult, Progress, ResultWriter, Summary, collect, load_tasks
 
     say(f"gymrpc demo: run folder {_short(run_dir)}")
-    spec = load_stack_spec(None)
+    spec = _with_resume_dirs(load_stack_spec(None), run_dir / "episodes")
     if args.model_path:
         engine = {k: getattr(args, k) for k in ("dtype", "tensor_parallel_size", "max_model_len", "kv_cache_gib")}
         spec = with_vllm_model(spec, args.model_path, **engine)
@@ -151,7 +169,12 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
         say(f"collecting {total} episodes ({plan}), {args.concurrency} at once per agent")
         out = run_dir / "results.jsonl"
         writer, progress = ResultWriter(out), Progress(total, sys.stdout, interval=2.0)
-        kill = _Kill(args.kill, at_done=max(total // 3, 1)) if args.kill != "none" else None
+        kills = []
+        for i, name in enumerate(args.kill):
+            # An agent dies when its own episodes are in flight (the rest of its share still runs).
+            env = name.partition("/")[2] if name.startswith("agent/") else None
+            planned = len(tasks[env]) * args.repeats if env else total
+            kills.append(_Kill(name, at_done=max(planned * (i + 1) // (len(args.kill) + 1), 1), env=env))
         results: dict[str, list[EpisodeResult]] = {env: [] for env in ENVS}
         running = 0
 
@@ -165,8 +188,10 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
             writer.write(result.to_json())
             results[result.agent.partition("/")[2]].append(result)
             progress.update(result)
-            if kill is not None and kill.pid is None and progress.done >= kill.at_done:
-                _inflict(launcher, kill, running, progress)
+            for kill in kills:
+                done = len(results[kill.env]) if kill.env else progress.done
+                if kill.pid is None and done >= kill.at_done:
+                    _inflict(launcher, kill, running, progress)
 
         t0 = time.perf_counter()
         async with Client(run_dir=run_dir) as client:
@@ -178,6 +203,7 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
                         agent=f"agent/{env}",
                         concurrency=args.concurrency,
                         repeats=args.repeats,
+                        policy_version=POLICY_VERSION,
                         on_start=on_start,
                         on_result=on_result,
                     )
@@ -187,9 +213,10 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
         wall = time.perf_counter() - t0
         writer.close()
         progress.close()
-        if kill is not None and kill.watcher is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(kill.watcher, timeout=30)
+        for kill in kills:
+            if kill.watcher is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(kill.watcher, timeout=30)
         everything = [r for env in ENVS for r in results[env]]
         summary = Summary(everything, wall, total)
         say(f"results ({_short(out)}, {writer.written} lines):")
@@ -204,6 +231,12 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
         for line in summary.lines()[1:]:
             if line.startswith(("failures", "  ")):
                 say("  " + line)
+        resumed = [r for r in summary.ok if r.trajectory is not None and r.trajectory.resume_count]
+        restarted = [r for r in summary.ok if r.trajectory is not None and r.trajectory.restart_count]
+        say(
+            f"  {'resume':<10} {len(resumed)} episodes continued from their last checkpoint after a crash,"
+            f" {len(restarted)} started over"
+        )
         say("the stack after the run, as `gymrpc status` shows it:")
         say(await _status_table(run_dir))
     finally:
@@ -211,13 +244,24 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
         await launcher.stop()
     say(f"stopped the stack in {time.perf_counter() - stopping:.1f} s; logs in {_short(run_dir / rundir.LOG_DIR)}")
     complete = not summary.failed and len(summary.results) == total
-    survived = kill is None or kill.restarted.is_set()
-    if complete and survived:
-        crash = f" although {kill.name} was SIGKILLed mid-run" if kill is not None else ""
+    lost = [k.name for k in kills if not k.restarted.is_set()]
+    if complete and not lost:
+        crash = f" although {' and '.join(k.name for k in kills)} were SIGKILLed mid-run" if kills else ""
         say(f"OK: all {total} episodes completed{crash}")
         return 0
-    say(f"FAILED: {len(summary.failed)} episodes failed" + ("" if survived else f"; {args.kill} never came back"))
+    say(f"FAILED: {len(summary.failed)} episodes failed" + (f"; {', '.join(lost)} never came back" if lost else ""))
     return 1
+
+
+def _with_resume_dirs(spec: StackSpec, root: Path) -> StackSpec:
+    """Every agent checkpoints its episodes at each boundary, in a folder of its own."""
+    servers = tuple(
+        dataclasses.replace(s, args={**s.args, "resume_dir": str(root / s.name.replace("/", "-"))})
+        if s.role == "agent"
+        else s
+        for s in spec.servers
+    )
+    return dataclasses.replace(spec, servers=servers)
 
 
 def _server(launcher: LocalLauncher, name: str) -> ServerState:

@@ -24,7 +24,9 @@ def test_demo_completes_every_episode_despite_the_kill(run_dir: Path) -> None:
     assert proc.returncode == 0, out + proc.stderr
     assert "! SIGKILL model/policy" in out
     assert "+ the supervisor restarted model/policy" in out
-    assert "OK: all 40 episodes completed although model/policy was SIGKILLed mid-run" in out
+    assert "! SIGKILL agent/counter" in out
+    assert "+ the supervisor restarted agent/counter" in out
+    assert "OK: all 40 episodes completed although model/policy and agent/counter were SIGKILLed mid-run" in out
     assert "counter    20/20 completed  mean reward +1.000" in out
     assert "blackjack  20/20 completed" in out
     model_row = next(line for line in out.splitlines() if line.strip().startswith("model/policy") and "SERVING" in line)
@@ -33,6 +35,11 @@ def test_demo_completes_every_episode_despite_the_kill(run_dir: Path) -> None:
     lines = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
     assert len(lines) == 40
     assert all(x["ok"] for x in lines)
+    # The killed agent's episodes in flight continued from their checkpoints on its new process.
+    resumed = [x for x in lines if x["resume_count"] > 0]
+    assert resumed
+    assert all(x["episode_id"].startswith("counter-") for x in resumed)
+    assert f"resume     {len(resumed)} episodes continued from their last checkpoint" in out
     assert {x["episode_id"] for x in lines} == {
         f"{env}-t{t}-r{r}" for env in ("counter", "blackjack") for t in range(5) for r in range(4)
     }
