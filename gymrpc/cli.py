@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollouts.set_defaults(func=cmd_rollouts)
     from gymrpc.demo import add_arguments as add_demo_arguments
 
-    demo = sub.add_parser("demo", help="launch the default stack, collect rollouts, survive a model crash")
+    demo = sub.add_parser("demo", help="launch the default stack, collect rollouts, crash it, resume from checkpoints")
     demo.add_argument("--run-dir", default=argparse.SUPPRESS)
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)

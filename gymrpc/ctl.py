@@ -44,6 +44,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from gymrpc.client import Client
+from gymrpc.control import store
 from gymrpc.control.index import INDEX, read_index
 from gymrpc.control.types import EpisodeKey
 from gymrpc.controller import Controller, CoordinationError, PrepareResult
@@ -271,7 +272,8 @@ def _inspect(args: argparse.Namespace) -> int:
     manifests = {}
     for member in index.members:
         label = member.name if member.endpoint_id == "0" else f"{member.name}#{member.endpoint_id}"
-        manifests[label] = json_format.Parse((folder / member.manifest_path).read_text(), pb.CheckpointManifest())
+        path = folder / member.manifest_path
+        manifests[label] = store.parse_manifest(path.read_bytes(), path)
     if args.json:
         report = {"checkpoint_dir": str(folder), "restorable": True, "index": _dict(index)}
         print(json.dumps(report | {"manifests": {n: _dict(m) for n, m in manifests.items()}}, indent=2))

@@ -75,7 +75,8 @@ def write_index(folder: Path, checkpoint_id: str, manifests: Iterable[pb.Checkpo
                 "see the checkpoint folder its participants write (a shared filesystem) to index it",
                 metadata={"checkpoint_dir": str(folder)[:200], "name": manifest.name},
             ) from None
-        if not store.manifests_equal(_parse_manifest(data, path), manifest) or manifest.checkpoint_id != checkpoint_id:
+        on_disk = store.parse_manifest(data, path)
+        if not store.manifests_equal(on_disk, manifest) or manifest.checkpoint_id != checkpoint_id:
             raise DataLoss(f"{path} is not the manifest {manifest.name} reported for checkpoint {checkpoint_id!r}")
         index.members.add(
             name=manifest.name,
@@ -185,12 +186,3 @@ def _load_index(path: Path) -> pb.CheckpointIndex:
             f"{path} is not a gymrpc checkpoint index: {exc}", metadata={"checkpoint_dir": str(path.parent)[:200]}
         ) from None
     return index
-
-
-def _parse_manifest(data: bytes, path: Path) -> pb.CheckpointManifest:
-    manifest = pb.CheckpointManifest()
-    try:
-        json_format.Parse(data.decode(), manifest)
-    except (UnicodeDecodeError, json_format.ParseError) as exc:
-        raise DataLoss(f"{path} is not a gymrpc checkpoint manifest: {exc}") from None
-    return manifest

@@ -245,15 +245,20 @@ def create_file(path: Path, text: str) -> bool:
 
 def _load_manifest(path: Path) -> pb.CheckpointManifest | None:
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise DataLoss(f"{path} cannot be read: {exc}") from None
+    return parse_manifest(data, path)
+
+
+def parse_manifest(data: bytes, path: Path) -> pb.CheckpointManifest:
+    """A manifest's bytes as read from `path`; DATA_LOSS if they are not one."""
     manifest = pb.CheckpointManifest()
     try:
-        json_format.Parse(text, manifest)
-    except json_format.ParseError as exc:
+        json_format.Parse(data.decode(), manifest)
+    except (UnicodeDecodeError, json_format.ParseError) as exc:
         raise DataLoss(f"{path} is not a gymrpc checkpoint manifest: {exc}") from None
     return manifest
 
