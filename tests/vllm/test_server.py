@@ -219,7 +219,9 @@ def test_checkpoint_sigkill_restore_continues_with_the_ledger_intact(stack: Vllm
             await controller.resume("restore-1")
             trajectories = await asyncio.gather(*(_run(client, r, attempt=1) for r in rollouts))
             assert [_outcome(t) for t in trajectories] == [reference] * len(rollouts)
-            assert all(t.resume_count == 1 for t in trajectories)
+            # Continued, never started over; a Run retried after a failover to the restarted agent
+            # may resume the restored state once more (seen once in CI, with the same outcome).
+            assert all(t.resume_count >= 1 and t.restart_count == 0 for t in trajectories)
             status = await controller.status()
             new_calls = sum(len(t.model_calls) for t in trajectories) - rows
             ledger = status[MODEL].report.counts["ledger_rows"]
