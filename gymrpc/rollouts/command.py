@@ -81,6 +81,7 @@ def run(args: argparse.Namespace, run_dir: Path | None = None) -> int:
     if out.exists() and out.stat().st_size and not (args.resume or args.overwrite):
         return _fail(f"{out} already exists; pass --resume to continue it or --overwrite to replace it", EXIT_USAGE)
     skip = done_ids(out) if args.resume else set()
+    _take_sigint()
     try:
         return asyncio.run(_main(args, tasks, skip, run_dir or rundir.default_run_dir()))
     except FileNotFoundError as exc:  # no registry address: no stack in the run folder
@@ -190,6 +191,17 @@ async def _main(args: argparse.Namespace, tasks: list[RolloutTask], skip: set[st
         print(f"interrupted: rerun with --resume to run the {planned - len(results)} remaining", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_FAILED if summary.failed else 0
+
+
+def _take_sigint() -> None:
+    """Make SIGINT interrupt the run even where it was inherited as ignored.
+
+    A non-interactive shell starts background jobs with SIGINT ignored, and asyncio only turns
+    SIGINT into a cancellation when it has Python's default handler: the collector then ran every
+    episode despite SIGINT. SIGINT is this command's documented way to stop (exit 130).
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 async def _tick(progress: Progress | None) -> None:

@@ -158,3 +158,41 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gymrpc.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
     )
+
+
+def test_a_cancel_grpc_swallows_still_stops_the_collection() -> None:
+    """grpc.aio returns the reply when a cancel lands as it arrives: the worker must still stop."""
+    import asyncio
+    import contextlib
+
+    from gymrpc.rollouts import collect
+
+    calls: list[str] = []
+    first_call = asyncio.Event()
+
+    class SwallowingAgent:
+        async def Run(self, request: agent_pb.RunRequest, *, timeout: float) -> agent_pb.RunResponse:
+            calls.append(request.episode_id.rollout_id)
+            first_call.set()
+            if len(calls) == 1:
+                with contextlib.suppress(asyncio.CancelledError):  # what grpc.aio does when the reply won the race
+                    await asyncio.Event().wait()
+            return agent_pb.RunResponse(trajectory=agent_pb.Trajectory(reward=1.0))
+
+    class FakeClient:
+        async def resolve(self, name: str) -> str:
+            return "unix:/nowhere"
+
+        def agent(self, name: str) -> SwallowingAgent:
+            return SwallowingAgent()
+
+    async def main() -> list[str]:
+        tasks = load_tasks(envs.counter.example_tasks_path())
+        job = asyncio.ensure_future(collect(FakeClient(), tasks, concurrency=1))  # type: ignore[arg-type]
+        await first_call.wait()
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        return calls
+
+    assert asyncio.run(main()) == ["example-t0-r0"]

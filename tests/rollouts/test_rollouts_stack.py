@@ -126,7 +126,8 @@ def test_lines_appear_as_episodes_finish_and_ctrl_c_keeps_them(start_stack: Any,
     stack = start_stack(_config(token_delay=0.01))
     out = tmp_path / "out.jsonl"
     argv = ["rollouts", str(COUNTER_TASKS), "--agent", "agent/simple", "--out", str(out)]
-    proc = _spawn(stack.run_dir, *argv, "--concurrency", "1", "--repeats", "4")
+    # Started as a non-interactive shell starts a background job: with SIGINT ignored.
+    proc = _spawn(stack.run_dir, *argv, "--concurrency", "1", "--repeats", "4", ignore_sigint=True)
     counts = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
@@ -163,6 +164,9 @@ def _cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
 
 
-def _spawn(run_dir: Path, *args: str) -> subprocess.Popen[str]:
+def _spawn(run_dir: Path, *args: str, ignore_sigint: bool = False) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "gymrpc.cli", "--run-dir", str(run_dir), *args]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+    preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(), preexec_fn=preexec
+    )
