@@ -11,6 +11,9 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Limit for one message either way. Session snapshots of table environments reach a
 few MB; 64 MiB leaves room while still refusing a runaway payload (default is 4 MiB)."""
 
+MAX_PENDING_CALLS = 100_000
+"""Calls a server lets wait for a free slot (each holds only its headers and request bytes)."""
+
 _COMMON: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -31,6 +34,11 @@ def server_options() -> list[tuple[str, Any]]:
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # gRPC core cancels calls that wait for the application beyond a soft limit of 1,000
+        # (randomly, up to all beyond 3,000), with a bare CANCELLED. Let them queue instead:
+        # the guard's in-flight limit (servers.guard.Admission) is the one that pushes back.
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     ]
 
 

@@ -47,12 +47,14 @@ CONTROL_SERVICES = frozenset({"gymrpc.v1.ParticipantService"})
 RUN_TIMEOUT = 4 * 3600.0
 """Default overall deadline of `Client.run`, retries included: episodes are long (the agent's own
 default episode timeout is 1 h), and a run may survive several agent restarts and resumes."""
+_BACK_OFF_CODES = (grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _RETRYABLE_LEVELS = (descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS, descriptor_pb2.MethodOptions.IDEMPOTENT)
 
 
 def _is_retryable(err: GymrpcError) -> bool:
-    # UNAVAILABLE: the server is gone or draining; ABORTED with RetryInfo: a lease is held.
-    return isinstance(err, Unavailable) or (err.code == grpc.StatusCode.ABORTED and err.retry_delay is not None)
+    # UNAVAILABLE: the server is gone or draining; ABORTED with RetryInfo: a lease is held;
+    # RESOURCE_EXHAUSTED with RetryInfo: the server turned the call away before doing anything.
+    return isinstance(err, Unavailable) or (err.code in _BACK_OFF_CODES and err.retry_delay is not None)
 
 
 class Client:
@@ -296,6 +298,7 @@ class Client:
         deadline = loop.time() + policy.deadline
         delays = policy.delays()
         attempt, last = 0, ""
+        stale = False  # the cached address may be wrong: resolve afresh before the next attempt
         while True:
             left = deadline - loop.time()
             if left <= 0:
@@ -304,8 +307,8 @@ class Client:
                     metadata={"name": name, "method": method, "attempts": str(attempt)},
                 )
             try:
-                if attempt > 0 or last or name not in self._addresses:
-                    await asyncio.wait_for(self.resolve(name, fresh=attempt > 0 or bool(last)), timeout=left)
+                if stale or name not in self._addresses:
+                    await asyncio.wait_for(self.resolve(name, fresh=stale), timeout=left)
                 if endpoint_id is None:
                     address: str | None = self.balancer.pick(name, key)
                 else:
@@ -313,9 +316,9 @@ class Client:
             except NotFound as exc:
                 if exc.reason == "NOT_FOUND" and name not in self._known:
                     raise  # never registered: a wrong name, not a restart; waiting would not help
-                last = str(exc)
+                last, stale = str(exc), True
             except Unavailable as exc:
-                last = f"registry unavailable: {exc}"
+                last, stale = f"registry unavailable: {exc}", True
             except TimeoutError:
                 continue
             else:
@@ -328,6 +331,8 @@ class Client:
                 if isinstance(failure, Unavailable) and endpoint_id is None:
                     self.balancer.failed(name, address)
                 last = str(failure)
+                # A server that pushed back (overloaded, lease held) is still where it was.
+                stale = not (isinstance(failure, GymrpcError) and failure.code in _BACK_OFF_CODES)
             await asyncio.sleep(min(next(delays), max(deadline - loop.time(), 0)))
 
 
@@ -394,6 +399,8 @@ class NamedStub:
                     err = from_rpc_error(exc)
                     if not (retryable and _is_retryable(err)):
                         raise err from exc
+                    if err.retry_delay:
+                        await asyncio.sleep(min(err.retry_delay, left))
                     address, left = await attempts.asend(err)
             await attempts.aclose()
             if first is grpc.aio.EOF:

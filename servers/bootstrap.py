@@ -33,7 +33,7 @@ from gymrpc.channels import server_options
 from gymrpc.ids import check_endpoint_id, check_service_name
 from gymrpc.registry import NameLease, RegistryClient
 from gymrpc.rundir import write_text_atomic
-from servers.guard import guard_servicer
+from servers.guard import DEFAULT_MAX_INFLIGHT_CALLS, Admission, guard_servicer
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class ServerConfig:
     ready_file: Path | None = None
     """Written (atomically) with the bound address once serving."""
     labels: dict[str, str] = field(default_factory=dict)
+    max_inflight_calls: int = DEFAULT_MAX_INFLIGHT_CALLS
+    """Calls run at once; more wait in gRPC's queue only until admitted, then get OVERLOADED."""
 
 
 class RunningServer:
@@ -83,10 +85,13 @@ class RunningServer:
         registry: RegistryClient | None,
         grace: float,
         lock_fd: int | None,
+        admission: Admission | None = None,
     ) -> None:
         self.server, self.address, self.health = server, address, health_servicer
         self._lease, self._registry, self._grace, self._lock_fd = lease, registry, grace, lock_fd
         self._stopped: asyncio.Task[None] | None = None
+        self.admission = admission
+        """The server's in-flight call count and limit."""
 
     async def stop(self, grace: float | None = None) -> None:
         if self._stopped is None:
@@ -137,11 +142,12 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
     server = grpc.aio.server(options=server_options())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    admission = Admission(config.max_inflight_calls)
     for b in bindings:
-        b.add_to_server(
-            guard_servicer(b.servicer, b.descriptor, token=config.token, control_methods=b.control_methods),
-            server,
+        guarded = guard_servicer(
+            b.servicer, b.descriptor, token=config.token, control_methods=b.control_methods, admission=admission
         )
+        b.add_to_server(guarded, server)
     names = [b.descriptor.full_name for b in bindings]
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -165,7 +171,7 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
     if config.ready_file is not None:
         write_text_atomic(config.ready_file, json.dumps({"address": address, "pid": os.getpid(), "name": config.name}))
     log.info("serving", extra={"service": config.name, "address": address, "services": ",".join(names)})
-    return RunningServer(server, address, health_servicer, lease, registry, config.grace, lock_fd)
+    return RunningServer(server, address, health_servicer, lease, registry, config.grace, lock_fd, admission)
 
 
 async def serve(
@@ -217,6 +223,13 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_name: str) 
     parser.add_argument("--lease-ttl", type=float, default=10.0, help="registry lease TTL in seconds")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM")
     parser.add_argument("--ready-file", type=Path, help="write the bound address here once serving")
+    parser.add_argument(
+        "--max-inflight-calls",
+        type=int,
+        default=DEFAULT_MAX_INFLIGHT_CALLS,
+        help="calls run at once; beyond, callers get RESOURCE_EXHAUSTED OVERLOADED with a retry delay "
+        "(default %(default)s)",
+    )
     parser.add_argument("--log-level", default=None)
 
 
@@ -231,6 +244,7 @@ def config_from_arguments(args: argparse.Namespace) -> ServerConfig:
         lease_ttl=args.lease_ttl,
         grace=args.grace,
         ready_file=args.ready_file,
+        max_inflight_calls=args.max_inflight_calls,
     )
 
 

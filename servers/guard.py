@@ -17,9 +17,39 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from gymrpc import auth
-from gymrpc.errors import GymrpcError, Internal, Unauthenticated
+from gymrpc.errors import GymrpcError, Internal, ResourceExhausted, Unauthenticated
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_INFLIGHT_CALLS = 20_000
+"""Calls one server runs at once; beyond it new ones get OVERLOADED (thousands of episodes per node fit)."""
+OVERLOAD_RETRY_DELAY = 0.05
+"""Seconds an overloaded server asks a caller to wait before retrying (the client adds jitter)."""
+
+
+class Admission:
+    """Counts a server's in-flight calls and turns away those beyond `limit`, before they do anything.
+
+    Past the limit a call fails with RESOURCE_EXHAUSTED, reason OVERLOADED and a RetryInfo delay,
+    which `gymrpc.Client` honours for idempotent methods: the caller backs off instead of the
+    server queueing without bound.
+    """
+
+    def __init__(self, limit: int = DEFAULT_MAX_INFLIGHT_CALLS) -> None:
+        if limit < 1:
+            raise ValueError(f"max in-flight calls must be at least 1, got {limit}")
+        self.limit = limit
+        self.inflight = 0
+        self.rejected = 0
+
+    def refusal(self, method: str) -> ResourceExhausted:
+        self.rejected += 1
+        return ResourceExhausted(
+            f"{method}: the server already runs {self.inflight} calls (its limit); retry after the delay",
+            reason="OVERLOADED",
+            metadata={"method": method, "limit": str(self.limit)},
+            retry_delay=OVERLOAD_RETRY_DELAY,
+        )
 
 
 class _Guarded:
@@ -32,8 +62,13 @@ def guard_servicer(
     *,
     token: str | None,
     control_methods: Iterable[str] = (),
+    admission: Admission | None = None,
 ) -> object:
-    """Return an object with the servicer's RPC methods wrapped; `control_methods` need `token`."""
+    """Return an object with the servicer's RPC methods wrapped; `control_methods` need `token`.
+
+    Every method shares `admission` (one per server; default: its own with the default limit).
+    """
+    admission = admission or Admission()
     control = set(control_methods)
     unknown = control - {m.name for m in service.methods}
     if unknown:
@@ -44,7 +79,7 @@ def guard_servicer(
         needs_token = token if method.name in control else None
         full = f"/{service.full_name}/{method.name}"
         wrapper = _wrap_stream if method.server_streaming else _wrap_unary
-        setattr(guarded, method.name, wrapper(impl, full, needs_token))
+        setattr(guarded, method.name, wrapper(impl, full, needs_token, admission))
     return guarded
 
 
@@ -80,38 +115,48 @@ def _is_abort(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AbortError)
 
 
-def _wrap_unary(impl: Callable[..., Any], method: str, token: str | None) -> Callable[..., Any]:
+def _wrap_unary(impl: Callable[..., Any], method: str, token: str | None, admission: Admission) -> Callable[..., Any]:
     if not inspect.iscoroutinefunction(impl):
         raise TypeError(f"{method}: servicer methods must be async (got {impl!r})")
 
     @functools.wraps(impl)
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if token is not None:
-            await _check_token(context, token, method)
+        if admission.inflight >= admission.limit:
+            await context.abort_with_status(admission.refusal(method).to_status())
+        admission.inflight += 1
         try:
+            if token is not None:
+                await _check_token(context, token, method)
             return await impl(request, context)
         except Exception as exc:
             if _is_abort(exc):
                 raise
             await _abort_for(exc, context, method)
+        finally:
+            admission.inflight -= 1
 
     return call
 
 
-def _wrap_stream(impl: Callable[..., Any], method: str, token: str | None) -> Callable[..., Any]:
+def _wrap_stream(impl: Callable[..., Any], method: str, token: str | None, admission: Admission) -> Callable[..., Any]:
     if not inspect.isasyncgenfunction(impl):
         raise TypeError(f"{method}: streaming servicer methods must be async generators (got {impl!r})")
 
     @functools.wraps(impl)
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if token is not None:
-            await _check_token(context, token, method)
+        if admission.inflight >= admission.limit:
+            await context.abort_with_status(admission.refusal(method).to_status())
+        admission.inflight += 1
         try:
+            if token is not None:
+                await _check_token(context, token, method)
             async for item in impl(request, context):
                 yield item
         except Exception as exc:
             if _is_abort(exc):
                 raise
             await _abort_for(exc, context, method)
+        finally:
+            admission.inflight -= 1
 
     return call

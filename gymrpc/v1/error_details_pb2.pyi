@@ -74,6 +74,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """A model or environment backend failed. Code UNAVAILABLE or INTERNAL."""
     ERROR_REASON_DEADLINE_EXCEEDED: _ErrorReason.ValueType  # 20
     """The episode or operation ran past its deadline. Code DEADLINE_EXCEEDED."""
+    ERROR_REASON_OVERLOADED: _ErrorReason.ValueType  # 21
+    """The server already runs as many calls as it admits; nothing was done.
+    Retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -137,4 +141,8 @@ ERROR_REASON_BACKEND_FAILURE: ErrorReason.ValueType  # 19
 """A model or environment backend failed. Code UNAVAILABLE or INTERNAL."""
 ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 20
 """The episode or operation ran past its deadline. Code DEADLINE_EXCEEDED."""
+ERROR_REASON_OVERLOADED: ErrorReason.ValueType  # 21
+"""The server already runs as many calls as it admits; nothing was done.
+Retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -2,7 +2,8 @@
 // The Node twin of `gymrpc.Client`: a name is resolved through the registry and cached; a call
 // that fails with UNAVAILABLE (server gone or draining) drops the cached address, resolves
 // again and is retried with full-jitter backoff until the call's overall deadline, as is one
-// that fails with ABORTED and a RetryInfo delay (an episode lease is held). Only methods the
+// that fails with ABORTED or RESOURCE_EXHAUSTED and a RetryInfo delay (an episode lease is held,
+// the server is past its in-flight limit). Only methods the
 // protocol marks idempotent or side-effect free are retried, which in gymrpc.v1 is all of them.
 // A name with replicas: calls by name go to its first endpoint (no session affinity here: drive
 // replicated resources and models through an agent), while a controller pins each control call
@@ -194,7 +195,9 @@ export class GymClient {
       this.#replicas.delete(name);
       return Math.random() * Math.min(1000, 50 * 2 ** attempt); // full jitter, capped at 1 s
     }
-    if (err.code === Code.Aborted && err.retryDelayMs !== undefined) return err.retryDelayMs;
+    // ABORTED: an episode lease is held; RESOURCE_EXHAUSTED (OVERLOADED): the server turned the call away unrun.
+    const backOff = err.code === Code.Aborted || err.code === Code.ResourceExhausted;
+    if (backOff && err.retryDelayMs !== undefined) return err.retryDelayMs * (1 + Math.random());
     return undefined;
   }
 
