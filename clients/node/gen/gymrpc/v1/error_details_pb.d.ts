@@ -172,6 +172,14 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_DEADLINE_EXCEEDED = 20;
    */
   DEADLINE_EXCEEDED = 20,
+
+  /**
+   * The server already runs as many calls as it admits; nothing was done.
+   * Retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+   *
+   * @generated from enum value: ERROR_REASON_OVERLOADED = 21;
+   */
+  OVERLOADED = 21,
 }
 
 /**
