@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 import httpx
 
+from gymrpc import auth
 from gymrpc.auth import new_token
 from gymrpc.channels import service_channel_options
 from gymrpc.client import Client
@@ -175,16 +176,20 @@ class Stack:
         http_parser: str = "httptools",
         profile: Path | None = None,
         variant: list[str] | None = None,
+        data_plane_credentials: bool = True,
     ) -> Stack:
         """Start every server; `profile` runs the resources server under cProfile, writing that file;
-        `variant` adds a resources server with these `variant_resources_server.py` patches."""
+        `variant` adds a resources server with these `variant_resources_server.py` patches;
+        `data_plane_credentials=False` opens their data plane (`--no-data-plane-credentials`)."""
         token = new_token()
         env = child_env(token)
         py = sys.executable
 
         def resources(name: str, ready: Path, launcher: list[str]) -> list[str]:
             return [*launcher, "--environment", "counter", "--name", name, "--registry", registry.address,
-                    "--ready-file", str(ready), "--grace", "1"]  # fmt: skip
+                    "--ready-file", str(ready), "--grace", "1", *open_flag]  # fmt: skip
+
+        open_flag = [] if data_plane_credentials else ["--no-data-plane-credentials"]
 
         registry = spawn(
             "registry",
@@ -254,6 +259,7 @@ class Clients:
 
     def __init__(self, stack: Stack, folder: Path) -> None:
         self.stack = stack
+        self.credential = auth.metadata(stack.token)
         grpc_target, http_base = stack.grpc.address, f"http://{stack.http.address}"
         self.aio_channel = grpc.aio.insecure_channel(grpc_target, options=service_channel_options())
         self.aio_stub = pb_grpc.ResourcesServiceStub(self.aio_channel)
@@ -276,27 +282,27 @@ class Clients:
             request = pb.SeedSessionRequest(session_id=session_id, episode_id=episode, task=task)
             stub = self.aio_stub if kind == GRPC else self.variant_stub
             assert stub is not None
-            await stub.SeedSession(request)
+            await stub.SeedSession(request, metadata=self.credential)
         else:
             body = {"session_id": session_id, "episode_id": {"rollout_id": ROLLOUT, "attempt": 0},
                     "task": {"task_id": "bench", "env_json": SEED_ENV}}  # fmt: skip
             (await self.httpx_async.post("/v1/seed_session", json=body)).raise_for_status()
 
     def aio_stub_call(self, session_id: str) -> AsyncCall:
-        return _grpc_call(self.aio_stub.CallTool, session_id)
+        return _grpc_call(self.aio_stub.CallTool, session_id, self.credential)
 
     def variant_call(self, session_id: str) -> AsyncCall:
         assert self.variant_stub is not None
-        return _grpc_call(self.variant_stub.CallTool, session_id)
+        return _grpc_call(self.variant_stub.CallTool, session_id, self.credential)
 
     def named_call(self, session_id: str) -> AsyncCall:
         return _grpc_call(self.named.CallTool, session_id)
 
     def sync_stub_call(self, session_id: str) -> SyncCall:
-        ids, call = itertools.count(), self.sync_stub.CallTool
+        ids, call, credential = itertools.count(), self.sync_stub.CallTool, self.credential
 
         def run() -> None:
-            reply = call(grpc_request(session_id, ids))
+            reply = call(grpc_request(session_id, ids), metadata=credential)
             _check(reply.is_error, reply.output)
 
         return run
@@ -653,12 +659,15 @@ async def _make_clients(stack: Stack, folder: Path) -> Clients:
     return Clients(stack, folder)
 
 
-def _grpc_call(call: Any, session_id: str) -> AsyncCall:
-    """One timed CallTool on `call` (any async stub method), with a fresh call id each time."""
+def _grpc_call(call: Any, session_id: str, metadata: tuple[tuple[str, str], ...] | None = None) -> AsyncCall:
+    """One timed CallTool on `call` (any async stub method), with a fresh call id each time.
+
+    `metadata` is the raw stubs' credential (`gymrpc.Client`'s named stubs send their own)."""
     ids = itertools.count()
+    extra = {} if metadata is None else {"metadata": metadata}
 
     async def run() -> None:
-        reply = await call(grpc_request(session_id, ids))
+        reply = await call(grpc_request(session_id, ids), **extra)
         _check(reply.is_error, reply.output)
 
     return run

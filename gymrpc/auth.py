@@ -1,7 +1,14 @@
-"""Bearer tokens for control calls: generated per stack, sent as metadata, compared in constant time."""
+"""Bearer tokens: generated per stack, sent as metadata, compared in constant time.
+
+The stack token may make every call. Narrower role tokens are derived from it
+(`role_token`), so every server that holds the stack token can check them without
+another file: an agent token may call resources and model servers, a trainer token
+may call agents; neither passes a control call (docs/security.md).
+"""
 
 from __future__ import annotations
 
+import base64
 import hmac
 import os
 import secrets
@@ -19,6 +26,28 @@ def new_token() -> str:
 def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """Call metadata that carries the token; empty when there is none."""
     return ((METADATA_KEY, SCHEME + token),) if token else ()
+
+
+ROLES = ("agent", "trainer")
+"""Roles with a token of their own (`role_token`)."""
+ROLE_TOKEN_FILES = {role: f"{role}.token" for role in ROLES}
+"""Run-folder files `gymrpc up` writes the role tokens into (mode 0600)."""
+
+
+def role_token(stack_token: str, role: str) -> str:
+    """The token of `role` in the stack of `stack_token`: an HMAC, so it reveals nothing of the stack token."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles with tokens: {', '.join(ROLES)}")
+    digest = hmac.new(stack_token.encode(), f"gymrpc-role-token:{role}".encode(), "sha256").digest()
+    return f"{role}.{base64.urlsafe_b64encode(digest).rstrip(b'=').decode()}"
+
+
+def presented_token(metadata: object) -> str | None:
+    """The `authorization` value of call metadata (a sequence of key/value pairs), or None."""
+    for key, value in metadata or ():  # type: ignore[attr-defined]
+        if key == METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return None
 
 
 def check(presented: str | None, expected: str) -> bool:

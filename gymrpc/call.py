@@ -9,8 +9,8 @@ The fallback for grpcurl, so that manual control never depends on a binary that 
 missing. It learns every type from the server's reflection service (no `.proto` files, no
 generated stubs), so it also reaches methods newer than this client. The target is a
 stable name (`role/instance`, resolved through the registry like `gymrpc.Client` does),
-`registry` (the run folder's registry), or an address (`host:port`, `unix:/path`). Control
-calls get the bearer token from `$GYMRPC_TOKEN` or the run folder. JSON uses the proto field
+`registry` (the run folder's registry), or an address (`host:port`, `unix:/path`). Every
+call carries the bearer token from `$GYMRPC_TOKEN` or the run folder. JSON uses the proto field
 names, as grpcurl does. A failed call prints its status code, `ErrorInfo` reason and
 metadata, and exits with 64 + the code (grpcurl's convention); usage errors exit 2.
 """
@@ -31,13 +31,12 @@ from google.protobuf.message import Message
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from gymrpc import auth, rundir
-from gymrpc.channels import service_channel_options
-from gymrpc.client import CONTROL_SERVICES
+from gymrpc.channels import open_sync_channel, service_channel_options
 from gymrpc.errors import GymrpcError, from_rpc_error
 from gymrpc.ids import check_service_name
+from gymrpc.tls import read_run_dir_tls
 from gymrpc.v1 import registry_service_pb2, registry_service_pb2_grpc
 
-CONTROL_METHODS = frozenset(f"gymrpc.v1.RegistryService/{m}" for m in ("Register", "KeepAlive", "Deregister"))
 """Control calls outside the control services (which are control calls throughout)."""
 REGISTRY = "registry"
 EXIT_USAGE = 2
@@ -66,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, run_dir: Path) -> int:
     try:
         label, address = resolve_target(args.target, run_dir)
-        with grpc.insecure_channel(address, options=service_channel_options()) as channel:
+        with open_sync_channel(address, service_channel_options(), tls=read_run_dir_tls(run_dir)) as channel:
             reflection = Reflection(channel, label)
             if args.method == "list":
                 lines = reflection.methods(args.data) if args.data else reflection.services()
@@ -74,7 +73,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> int:
                 return 0
             method = reflection.method(args.method)
             request = parse_request(method, read_data(args.data or "{}"))
-            metadata = auth.metadata(token(run_dir)) if is_control(method) else ()
+            metadata = auth.metadata(token(run_dir))  # control and data-plane calls both need it
             for reply in invoke(channel, method, request, metadata, args.timeout or None):
                 print(to_json(reply, args.emit_defaults), flush=True)  # a stream's replies as they come
         return 0
@@ -107,7 +106,7 @@ def resolve_target(target: str, run_dir: Path) -> tuple[str, str]:
         check_service_name(target, "target")
     except GymrpcError as exc:
         raise UsageError(f"{exc.message}, 'registry', or an address (host:port, unix:/path)") from None
-    with grpc.insecure_channel(registry_address(run_dir)) as channel:
+    with open_sync_channel(registry_address(run_dir), [], tls=read_run_dir_tls(run_dir)) as channel:
         stub = registry_service_pb2_grpc.RegistryServiceStub(channel)
         try:
             reply = stub.Resolve(registry_service_pb2.ResolveRequest(name=target), timeout=10)
@@ -123,11 +122,6 @@ def token(run_dir: Path) -> str | None:
         return value
     path = run_dir / rundir.TOKEN_FILE
     return auth.read_token_file(path) if path.exists() else None
-
-
-def is_control(method: MethodDescriptor) -> bool:
-    service = method.containing_service.full_name
-    return service in CONTROL_SERVICES or f"{service}/{method.name}" in CONTROL_METHODS
 
 
 # -- reflection ------------------------------------------------------------------------------

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
+
+if TYPE_CHECKING:
+    from gymrpc.tls import TlsFiles
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Limit for one message either way. Session snapshots of table environments reach a
@@ -67,5 +70,60 @@ def stable_channel_options(service: str) -> list[tuple[str, Any]]:
     return [*_COMMON, ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
 
 
-def insecure_channel(target: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=options)
+def insecure_channel(target: str, options: list[tuple[str, Any]], *, token: str | None = None) -> grpc.aio.Channel:
+    """A plaintext channel; with `token`, every call on it carries the credential."""
+    return grpc.aio.insecure_channel(target, options=options, interceptors=bearer_interceptors(token) or None)
+
+
+def open_channel(
+    target: str, options: list[tuple[str, Any]], *, tls: TlsFiles | None = None, token: str | None = None
+) -> grpc.aio.Channel:
+    """A channel to `target`: TLS (mTLS with a client certificate) when `tls` is given, else plaintext."""
+    if tls is None:
+        return insecure_channel(target, options, token=token)
+    return grpc.aio.secure_channel(
+        target,
+        tls.channel_credentials(),
+        options=[*options, *tls.channel_options(target)],
+        interceptors=bearer_interceptors(token) or None,
+    )
+
+
+def open_sync_channel(target: str, options: list[tuple[str, Any]], *, tls: TlsFiles | None = None) -> grpc.Channel:
+    """The blocking twin of `open_channel` (the `gymrpc call` command)."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, tls.channel_credentials(), options=[*options, *tls.channel_options(target)])
+
+
+class _Bearer:
+    """Adds the bearer credential to a call's metadata."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = (("authorization", "Bearer " + token),)
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = tuple(details.metadata or ()) + self._metadata
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+
+class _BearerUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _BearerStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+def bearer_interceptors(token: str | None) -> list[Any]:
+    """Client interceptors that send `token` with every call; none without a token.
+
+    `gymrpc.Client` passes its credential itself; this is for raw generated stubs
+    (tests, benchmarks, tools) on a stack whose data plane needs credentials. (grpc.aio files
+    an interceptor under its first kind only, hence one object per kind.)
+    """
+    return [_BearerUnary(token), _BearerStream(token)] if token else []

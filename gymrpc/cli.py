@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -13,7 +14,8 @@ import time
 from pathlib import Path
 
 from gymrpc import logs, rundir
-from gymrpc.launch.spec import load_stack_spec
+from gymrpc.launch.spec import TlsSpec, load_stack_spec
+from gymrpc.tls import read_run_dir_tls
 
 
 def _run_dir(args: argparse.Namespace) -> Path:
@@ -46,6 +48,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
     try:
         spec = load_stack_spec(Path(args.config) if args.config else None)
+        if args.tls and spec.tls is None:
+            spec = dataclasses.replace(spec, tls=TlsSpec(generate=True))
     except ValueError as exc:
         print(f"gymrpc up: {exc}", file=sys.stderr)
         return 2
@@ -83,6 +87,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _up_detached(args: argparse.Namespace, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "gymrpc.cli", "up", "--run-dir", str(run_dir)]
+    if args.tls:
+        argv.append("--tls")
     if args.config:
         argv.append(str(Path(args.config).absolute()))
     (run_dir / rundir.STATE_FILE).unlink(missing_ok=True)
@@ -140,7 +146,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from gymrpc.launch.local import health_serving
 
     async def probe() -> dict[str, str]:
-        checks = {s["name"]: health_serving(s["address"]) for s in state["servers"] if s["address"]}
+        tls = read_run_dir_tls(run_dir)
+        checks = {s["name"]: health_serving(s["address"], tls=tls) for s in state["servers"] if s["address"]}
         results = await asyncio.gather(*checks.values())
         return {name: "SERVING" if ok else "DOWN" for name, ok in zip(checks, results, strict=True)}
 
@@ -202,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("config", nargs="?", help="stack YAML (default: the embedded default stack)")
     up.add_argument("--run-dir", default=argparse.SUPPRESS)
     up.add_argument("--detach", action="store_true", help="run in the background; return once serving")
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="serve TLS and mTLS: a private CA and per-server certificates in the run folder (docs/security.md)",
+    )
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for --detach")
     up.set_defaults(func=cmd_up)
     status = sub.add_parser("status", help="names, addresses, health and restart counts")

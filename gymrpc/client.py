@@ -23,11 +23,12 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from gymrpc import auth, rundir
 from gymrpc.balancing import Balancer, affinity_key
-from gymrpc.channels import insecure_channel, service_channel_options
+from gymrpc.channels import open_channel, service_channel_options
 from gymrpc.errors import DeadlineExceeded, GymrpcError, NotFound, Unavailable, from_rpc_error
 from gymrpc.ids import check_endpoint_id, check_id, check_service_name
 from gymrpc.registry import RegistryClient
 from gymrpc.retry import RetryPolicy
+from gymrpc.tls import TlsFiles, read_run_dir_tls
 from gymrpc.v1 import (
     agent_service_pb2,
     agent_service_pb2_grpc,
@@ -66,9 +67,12 @@ class Client:
             registry of the stack the Ray launcher started (`gymrpc.launch.ray.discover_registry`).
         run_dir: run folder to read the registry address and token from (default
             `$GYMRPC_RUN_DIR` or `./.gymrpc`).
-        token: bearer token for control calls. Default: `$GYMRPC_TOKEN`, else the run folder's
-            (or the Ray-launched stack's).
+        token: bearer token sent with every call: the stack token (control and data plane) or a
+            role token (`gymrpc.auth.role_token`; data plane only). Default: `$GYMRPC_TOKEN`,
+            else the run folder's stack token (or the Ray-launched stack's).
         retry: how long calls are retried after UNAVAILABLE (default `RetryPolicy.default`, 60 s).
+        tls: CA and client certificate to speak TLS with (`gymrpc.tls.TlsFiles`). Default: the run
+            folder's `tls.json`, which `gymrpc up --tls` writes; plaintext without one.
 
     A name with several replicas is balanced by `balancer` (`gymrpc.balancing`): the calls of one
     session or episode stay on one replica, and move to another only when it fails.
@@ -84,8 +88,12 @@ class Client:
         run_dir: str | Path | None = None,
         token: str | None = None,
         retry: RetryPolicy = RetryPolicy.default,
+        tls: TlsFiles | None = None,
     ) -> None:
         folder = Path(run_dir) if run_dir is not None else rundir.default_run_dir()
+        if tls is None:
+            tls = read_run_dir_tls(folder)
+        self.tls = tls
         target = registry or os.environ.get("GYMRPC_REGISTRY")
         ray_token = None
         if not target:
@@ -105,7 +113,7 @@ class Client:
             token = token or ray_token
         self.retry = retry
         self.balancer = Balancer()
-        self.registry = RegistryClient(target, token=token)
+        self.registry = RegistryClient(target, token=token, tls=tls)
         self._metadata = auth.metadata(token)
         self._addresses: dict[str, str] = {}
         self._known: set[str] = set()  # names resolved at least once: NOT_FOUND then means "restarting"
@@ -265,7 +273,7 @@ class Client:
         if stub is None:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = insecure_channel(address, service_channel_options())
+                channel = self._channels[address] = open_channel(address, service_channel_options(), tls=self.tls)
             stub = self._stubs[key] = stub_class(channel)
         return stub
 
@@ -349,8 +357,9 @@ class NamedStub:
     ) -> None:
         self._client, self._name, self._stub_class = client, name, stub_class
         self._endpoint_id = endpoint_id
-        # The token goes only where it is checked: data-plane servers never see it.
-        self._metadata = client._metadata if service.full_name in CONTROL_SERVICES else ()
+        # Every call carries the credential: control calls need the stack token, data-plane calls
+        # the stack token or a role token the service admits (servers.credentials).
+        self._metadata = client._metadata
         for method in service.methods:
             wrap = self._stream if method.server_streaming else self._unary
             setattr(self, method.name, wrap(method))

@@ -11,9 +11,10 @@ from collections.abc import Mapping
 import grpc
 
 from gymrpc import auth
-from gymrpc.channels import insecure_channel, stable_channel_options
+from gymrpc.channels import open_channel, stable_channel_options
 from gymrpc.errors import GymrpcError, NotFound, from_rpc_error
 from gymrpc.pbtime import duration
+from gymrpc.tls import TlsFiles
 from gymrpc.v1 import registry_service_pb2 as pb
 from gymrpc.v1 import registry_service_pb2_grpc as pb_grpc
 
@@ -24,9 +25,11 @@ SERVICE = pb.DESCRIPTOR.services_by_name["RegistryService"].full_name
 class RegistryClient:
     """Async client of one registry; the registry's address never moves, so its channel waits for it."""
 
-    def __init__(self, target: str, *, token: str | None = None, timeout: float = 5.0) -> None:
+    def __init__(
+        self, target: str, *, token: str | None = None, timeout: float = 5.0, tls: TlsFiles | None = None
+    ) -> None:
         self.target = target
-        self._channel = insecure_channel(target, stable_channel_options(SERVICE))
+        self._channel = open_channel(target, stable_channel_options(SERVICE), tls=tls)
         self._stub = pb_grpc.RegistryServiceStub(self._channel)
         self._md = auth.metadata(token)
         self._timeout = timeout

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ from gymrpc.channels import server_options
 from gymrpc.ids import check_endpoint_id, check_service_name
 from gymrpc.registry import NameLease, RegistryClient
 from gymrpc.rundir import write_text_atomic
+from gymrpc.tls import TlsFiles, is_loopback_bind
+from servers.credentials import DataPlaneCredentials
 from servers.guard import DEFAULT_MAX_INFLIGHT_CALLS, Admission, guard_servicer
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,14 @@ class ServerConfig:
     labels: dict[str, str] = field(default_factory=dict)
     max_inflight_calls: int = DEFAULT_MAX_INFLIGHT_CALLS
     """Calls run at once; more wait in gRPC's queue only until admitted, then get OVERLOADED."""
+    tls: TlsFiles | None = None
+    """Certificate and key to serve TLS with; with a CA, clients must present a certificate it
+    signed (mTLS). The same files are the server's client side when it calls the registry."""
+    insecure: bool = False
+    """Allow plaintext on a non-loopback address (refused otherwise: docs/security.md)."""
+    data_plane_credentials: bool = True
+    """With a token, data-plane calls need the stack token or an admitted role token
+    (`servers.credentials`); False opens the data plane (benchmarks)."""
 
 
 class RunningServer:
@@ -111,8 +122,15 @@ class RunningServer:
         log.info("stopped", extra={"address": self.address})
 
 
-def _bind(server: grpc.aio.Server, bind: str) -> tuple[str, int | None]:
+def _bind(server: grpc.aio.Server, bind: str, tls: TlsFiles | None) -> tuple[str, int | None]:
     """Bind and return (address to advertise, lock fd for a unix socket)."""
+    credentials = tls.server_credentials() if tls is not None else None
+
+    def add_port(address: str) -> int:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+
     if bind.startswith("unix:"):
         path = Path(bind.removeprefix("unix:").removeprefix("//"))
         # Two servers on one path: the second would silently steal it. A lock file prevents that.
@@ -123,23 +141,41 @@ def _bind(server: grpc.aio.Server, bind: str) -> tuple[str, int | None]:
             os.close(lock_fd)
             raise RuntimeError(f"another live server holds {path}; refusing to take over its socket") from None
         path.unlink(missing_ok=True)  # left behind by a killed predecessor
-        server.add_insecure_port(f"unix:{path}")
+        add_port(f"unix:{path}")
         return f"unix:{path}", lock_fd
     host, _, _ = bind.rpartition(":")
-    port = server.add_insecure_port(bind)
+    port = add_port(bind)
     if port == 0:
         raise RuntimeError(f"could not bind {bind}")
     advertised = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
     return f"{advertised}:{port}", None
 
 
+class TransportRefused(RuntimeError):
+    """The server would serve plaintext where the network can see it."""
+
+
+def check_transport(config: ServerConfig) -> None:
+    """Refuse plaintext beyond loopback: tokens and sessions would cross the network in clear."""
+    if config.tls is not None or config.insecure or is_loopback_bind(config.bind):
+        return
+    raise TransportRefused(
+        f"{config.name}: refusing to serve plaintext on {config.bind}, a non-loopback address: the bearer "
+        "token and every request would cross the network unencrypted and unauthenticated. Serve TLS "
+        "(--tls-cert/--tls-key/--tls-ca, or `gymrpc up --tls`), bind 127.0.0.1 or a unix socket, or pass "
+        "--insecure to accept the risk (docs/security.md)"
+    )
+
+
 async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding]) -> RunningServer:
     """Build, bind, start and register a server."""
     check_service_name(config.name)
     check_endpoint_id(config.endpoint_id)
+    check_transport(config)
     if any(b.control_methods for b in bindings) and not config.token:
         raise ValueError(f"{config.name}: serving control methods needs a token (--token-file or GYMRPC_TOKEN)")
-    server = grpc.aio.server(options=server_options())
+    interceptors = [DataPlaneCredentials(config.token)] if config.token and config.data_plane_credentials else []
+    server = grpc.aio.server(options=server_options(), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     admission = Admission(config.max_inflight_calls)
@@ -152,13 +188,13 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    address, lock_fd = _bind(server, config.bind)
+    address, lock_fd = _bind(server, config.bind, config.tls)
     await server.start()
     for service in ("", *names):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     lease = registry = None
     if config.registry:
-        registry = RegistryClient(config.registry, token=config.token)
+        registry = RegistryClient(config.registry, token=config.token, tls=config.tls)
         lease = NameLease(
             registry,
             config.name,
@@ -230,6 +266,24 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_name: str) 
         help="calls run at once; beyond, callers get RESOURCE_EXHAUSTED OVERLOADED with a retry delay "
         "(default %(default)s)",
     )
+    parser.add_argument("--tls-cert", help="PEM certificate to serve TLS with (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-ca",
+        help="PEM CA: clients must present a certificate it signed (mTLS); also verifies the servers this one calls",
+    )
+    parser.add_argument("--tls-server-name", help="name to check in the certificates of servers this one calls")
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext on a non-loopback bind (refused otherwise; docs/security.md)",
+    )
+    parser.add_argument(
+        "--no-data-plane-credentials",
+        dest="data_plane_credentials",
+        action="store_false",
+        help="let data-plane calls in without a token (benchmarks only; docs/security.md)",
+    )
     parser.add_argument("--log-level", default=None)
 
 
@@ -245,11 +299,28 @@ def config_from_arguments(args: argparse.Namespace) -> ServerConfig:
         grace=args.grace,
         ready_file=args.ready_file,
         max_inflight_calls=args.max_inflight_calls,
+        tls=tls_from_arguments(args),
+        insecure=args.insecure,
+        data_plane_credentials=args.data_plane_credentials,
     )
+
+
+def tls_from_arguments(args: argparse.Namespace) -> TlsFiles | None:
+    """The `--tls-*` flags as `TlsFiles`; None for plaintext."""
+    if not (args.tls_cert or args.tls_key or args.tls_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together (--tls-ca alone is not enough to serve TLS)")
+    return TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=args.tls_server_name)
 
 
 def run(component: str, main: Callable[[], Awaitable[None]], level: str | None = None) -> None:
     """Process entry point shared by every server's `__main__`."""
     logs.configure(component, level)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(main())
+    except TransportRefused as exc:
+        log.error("%s", exc)
+        print(f"{component}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -30,9 +30,9 @@ def run_dir() -> Iterator[Path]:
 class Stack:
     """A stack started by `gymrpc up` in a subprocess, as a user would start it."""
 
-    def __init__(self, run_dir: Path, config: dict | None) -> None:
+    def __init__(self, run_dir: Path, config: dict | None, flags: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
-        argv = [sys.executable, "-m", "gymrpc.cli", "up", "--run-dir", str(run_dir)]
+        argv = [sys.executable, "-m", "gymrpc.cli", "up", "--run-dir", str(run_dir), *flags]
         if config is not None:
             path = run_dir / "stack.yaml"
             path.write_text(yaml.safe_dump(config))
@@ -50,6 +50,11 @@ class Stack:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"stack not serving after 90 s:\n{(run_dir / 'up.log').read_text()}")
+
+    @property
+    def token(self) -> str:
+        """The stack token: raw stubs send it (every data-plane call needs a credential)."""
+        return (self.run_dir / "token").read_text().strip()
 
     def state(self) -> dict | None:
         try:
@@ -88,11 +93,11 @@ class Stack:
 
 @pytest.fixture
 def start_stack(run_dir: Path) -> Iterator:  # type: ignore[type-arg]
-    """`start_stack(config_dict_or_None)` → a serving `Stack`, stopped after the test."""
+    """`start_stack(config_dict_or_None, *up_flags)` → a serving `Stack`, stopped after the test."""
     stacks: list[Stack] = []
 
-    def start(config: dict | None = None) -> Stack:
-        stack = Stack(run_dir, config)
+    def start(config: dict | None = None, *flags: str) -> Stack:
+        stack = Stack(run_dir, config, flags)
         stacks.append(stack)
         return stack
 

@@ -28,12 +28,21 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gymrpc import auth, rundir
-from gymrpc.channels import insecure_channel, service_channel_options
+from gymrpc.channels import open_channel, service_channel_options
 from gymrpc.errors import GymrpcError
 from gymrpc.launch.base import ServerState
 from gymrpc.launch.spec import RestartPolicy, ServerSpec, StackSpec
 from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir, checkpoint_dirs
 from gymrpc.registry import RegistryClient
+from gymrpc.tls import (
+    TLS_DIR,
+    TLS_FILE,
+    StackPki,
+    TlsFiles,
+    create_stack_pki,
+    local_hosts,
+    write_run_dir_tls,
+)
 
 log = logging.getLogger(__name__)
 REGISTRY_NAME = "registry/main"
@@ -59,6 +68,12 @@ class ProcessConfig:
     """The registry only: where it writes its address once serving."""
     new_session: bool = True
     """Start the process in its own session (local: a Ctrl-C of `gymrpc up` reaches only the launcher)."""
+    tls: TlsFiles | None = None
+    """The server's certificate, key and CA (mTLS); None: plaintext."""
+    client_tls: TlsFiles | None = None
+    """What the launcher presents when it checks the server's health."""
+    insecure: bool = False
+    """Pass `--insecure`: plaintext allowed on a non-loopback bind."""
 
 
 class ServerProcess:
@@ -107,6 +122,10 @@ class ServerProcess:
         ]
         if spec.replicas > 1 or self.endpoint_id != "0":
             argv += ["--endpoint-id", self.endpoint_id]
+        if config.tls is not None:
+            argv += tls_flags(config.tls)
+        if config.insecure:
+            argv.append("--insecure")
         if config.ready_file is not None:
             argv += ["--ready-file", str(config.ready_file)]
         else:
@@ -150,7 +169,7 @@ class ServerProcess:
             if proc.returncode is not None:
                 raise StartError(f"{self.label} exited with code {proc.returncode} while starting:\n{self.tail()}")
             address = address or await self._registered_address(proc.pid)
-            if address and await health_serving(address):
+            if address and await health_serving(address, tls=self.config.client_tls):
                 self.state.address = address
                 return
             await asyncio.sleep(0.05)
@@ -262,12 +281,16 @@ class LocalLauncher:
         self._stopping = False
         self._registry_client: RegistryClient | None = None
         self._lock_fd: int | None = None
+        self.tls: StackPki | None = None
         self.state = "starting"
 
     # -- files ---------------------------------------------------------------------------
 
     def _prepare_run_dir(self) -> None:
         self._lock_fd = prepare_run_dir(self.run_dir, self.token)
+        labels = [REGISTRY_NAME, *(s.name for s in self.spec.servers)]
+        binds = [s.bind for s in self.spec.servers]
+        self.tls = stack_tls(self.spec, self.run_dir, labels, binds)
 
     def write_state(self) -> None:
         write_stack_state(self.run_dir, "local", self.state, self.registry_address, self.server_states())
@@ -286,6 +309,9 @@ class LocalLauncher:
             log_path=self.log_path(spec.label(endpoint_id)),
             bind=spec.bind,
             ready_file=self.run_dir / "registry.ready" if is_registry else None,
+            tls=self.tls.servers[spec.name] if self.tls else None,
+            client_tls=self.tls.client if self.tls else None,
+            insecure=self.spec.insecure,
         )
         return ServerProcess(spec, endpoint_id, config, registry, self.write_state)
 
@@ -299,7 +325,9 @@ class LocalLauncher:
             await registry.start()
             registry.supervise()
             rundir.write_text_atomic(self.run_dir / rundir.REGISTRY_FILE, self.registry_address + "\n")
-            self._registry_client = RegistryClient(self.registry_address, token=self.token)
+            self._registry_client = RegistryClient(
+                self.registry_address, token=self.token, tls=self.tls.client if self.tls else None
+            )
             await asyncio.gather(*(_check_dirs(s) for s in self.spec.servers))
             others = [
                 self._process(spec, endpoint_id, self._registry_client)
@@ -353,8 +381,42 @@ def prepare_run_dir(run_dir: Path, token: str) -> int:
         os.close(lock_fd)
         raise RuntimeError(f"a stack is already running in {run_dir}; stop it with `gymrpc down`") from None
     auth.write_token_file(run_dir / rundir.TOKEN_FILE, token)
+    for role, file_name in auth.ROLE_TOKEN_FILES.items():  # handed to agents and trainers outside the stack
+        auth.write_token_file(run_dir / file_name, auth.role_token(token, role))
     (run_dir / rundir.REGISTRY_FILE).unlink(missing_ok=True)
+    (run_dir / TLS_FILE).unlink(missing_ok=True)  # a stack before this one may have spoken TLS
     return lock_fd
+
+
+def stack_tls(spec: StackSpec, run_dir: Path, labels: list[str], binds: list[str]) -> StackPki | None:
+    """The stack's TLS files by server name (generated for `tls: {generate: true}`), written to `tls.json`."""
+    if spec.tls is None:
+        return None
+    if spec.tls.generate:
+        hosts = [*local_hosts(), *(b.rpartition(":")[0].strip("[]") for b in binds if not b.startswith("unix:"))]
+        pki = create_stack_pki(run_dir / TLS_DIR, labels, [h for h in hosts if h not in ("", "0.0.0.0", "::")])
+    else:
+        t = spec.tls
+        server = TlsFiles(cert=t.cert, key=t.key, ca=t.ca, server_name=t.server_name)
+        client = TlsFiles(cert=t.client_cert, key=t.client_key, ca=t.ca, server_name=t.server_name)
+        assert t.ca is not None
+        pki = StackPki(servers=dict.fromkeys(labels, server), client=client, ca=t.ca)
+    write_run_dir_tls(run_dir, pki.client)
+    return pki
+
+
+def tls_flags(files: TlsFiles) -> list[str]:
+    """The `--tls-*` flags of a server process."""
+    out = []
+    for flag, value in (
+        ("--tls-cert", files.cert),
+        ("--tls-key", files.key),
+        ("--tls-ca", files.ca),
+        ("--tls-server-name", files.server_name),
+    ):
+        if value:
+            out += [flag, value]
+    return out
 
 
 def write_stack_state(run_dir: Path, launcher: str, state: str, registry: str, servers: list[ServerState]) -> None:
@@ -385,8 +447,8 @@ async def _check_dirs(spec: ServerSpec) -> None:
             raise StartError(f"{spec.name}: {exc}") from None
 
 
-async def health_serving(address: str, timeout: float = 1.0) -> bool:
-    channel = insecure_channel(address, service_channel_options())
+async def health_serving(address: str, timeout: float = 1.0, tls: TlsFiles | None = None) -> bool:
+    channel = open_channel(address, service_channel_options(), tls=tls)
     try:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         return reply.status == health_pb2.HealthCheckResponse.SERVING

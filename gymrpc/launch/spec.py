@@ -99,6 +99,26 @@ class RayOptions:
 
 
 @dataclass(frozen=True)
+class TlsSpec:
+    """TLS of a whole stack (`tls:` in the config, or `gymrpc up --tls`).
+
+    `generate: true` makes a private CA and a certificate per server in the run folder; else
+    `cert`/`key` (every server's) and `ca` (which signed them and the clients') are given, with
+    `client_cert`/`client_key` for the launcher and the run folder's clients. Either way servers
+    require client certificates signed by the CA (mTLS).
+    """
+
+    generate: bool = False
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+    server_name: str | None = None
+    """Name clients check in server certificates instead of the address's host."""
+
+
+@dataclass(frozen=True)
 class StackSpec:
     """A whole stack: the registry and the servers that register with it."""
 
@@ -111,6 +131,10 @@ class StackSpec:
     restart: RestartPolicy = RestartPolicy()
     launcher: str = "local"
     ray: RayOptions = RayOptions()
+    tls: TlsSpec | None = None
+    """None: plaintext, allowed on loopback and unix sockets only (unless `insecure`)."""
+    insecure: bool = False
+    """Let servers serve plaintext on non-loopback addresses (`--insecure`; docs/security.md)."""
 
 
 DEFAULT_STACK = """
@@ -155,7 +179,7 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
     """Validate a parsed config; every problem names its key."""
     if not isinstance(data, Mapping):
         raise _fail(where, "top level must be a mapping")
-    known = {"servers", "registry", "lease_ttl", "grace", "restart", "launcher", "ray"}
+    known = {"servers", "registry", "lease_ttl", "grace", "restart", "launcher", "ray", "tls", "insecure"}
     if unknown := set(data) - known:
         raise _fail(where, f"unknown keys {sorted(unknown)} (known: {sorted(known)})")
     servers = []
@@ -203,7 +227,36 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
         restart=policy,
         launcher=launcher,
         ray=_ray_options(data.get("ray"), where),
+        tls=_tls_spec(data.get("tls"), where),
+        insecure=_flag(data.get("insecure", False), "insecure", where),
     )
+
+
+def _flag(value: Any, key: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _tls_spec(raw: Any, where: str) -> TlsSpec | None:
+    if raw is None or raw is False:
+        return None
+    if raw is True:
+        return TlsSpec(generate=True)
+    if not isinstance(raw, Mapping):
+        raise _fail(where, "tls: must be true or a mapping (generate, cert, key, ca, client_cert, client_key)")
+    try:
+        spec = TlsSpec(**{k: v if k == "generate" else str(v) for k, v in raw.items()})
+    except TypeError as exc:
+        raise _fail(where, f"tls: {exc}") from None
+    if spec.generate:
+        if any((spec.cert, spec.key, spec.ca, spec.client_cert, spec.client_key)):
+            raise _fail(where, "tls: generate makes its own CA and certificates; give no files with it")
+        return spec
+    missing = [k for k in ("cert", "key", "ca", "client_cert", "client_key") if getattr(spec, k) is None]
+    if missing:
+        raise _fail(where, f"tls: without generate, give {', '.join(missing)} (or tls: true)")
+    return spec
 
 
 _PLACEMENT_KEYS = ("replicas", "num_cpus", "num_gpus", "resources", "node")

@@ -78,6 +78,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The server already runs as many calls as it admits; nothing was done.
     Retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
     """
+    ERROR_REASON_NOT_SESSION_OWNER: _ErrorReason.ValueType  # 22
+    """The request's episode does not own the session it names (a session belongs
+    to the episode that seeded it). Code PERMISSION_DENIED.
+    """
+    ERROR_REASON_ROLE_NOT_ALLOWED: _ErrorReason.ValueType  # 23
+    """The credential is valid but its role may not call this service (for example
+    an agent token on AgentService). Code PERMISSION_DENIED.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -144,5 +152,13 @@ ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 20
 ERROR_REASON_OVERLOADED: ErrorReason.ValueType  # 21
 """The server already runs as many calls as it admits; nothing was done.
 Retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+"""
+ERROR_REASON_NOT_SESSION_OWNER: ErrorReason.ValueType  # 22
+"""The request's episode does not own the session it names (a session belongs
+to the episode that seeded it). Code PERMISSION_DENIED.
+"""
+ERROR_REASON_ROLE_NOT_ALLOWED: ErrorReason.ValueType  # 23
+"""The credential is valid but its role may not call this service (for example
+an agent token on AgentService). Code PERMISSION_DENIED.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from gymrpc import auth
 from gymrpc.client import Client
 from gymrpc.errors import GymrpcError
 from gymrpc.ids import check_service_name
@@ -131,7 +132,9 @@ def main() -> None:
         parser.error(f"--resume-dir {args.resume_dir}: {exc}")
 
     async def main_async() -> None:
-        client = Client(registry=server_config.registry, token=server_config.token)
+        # Resources and model get the agent's role token, never the stack token (docs/security.md).
+        agent_token = auth.role_token(server_config.token, "agent") if server_config.token else None
+        client = Client(registry=server_config.registry, token=agent_token, tls=server_config.tls)
         resources: Any = client.resources(config.resources_name)
         if crash is not None:
             resources = CrashingResources(resources, crash)

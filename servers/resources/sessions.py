@@ -8,6 +8,7 @@ sessions run in parallel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -28,11 +29,20 @@ from gymrpc.envkit import (
     ToolResult,
     VerifyResult,
 )
-from gymrpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from gymrpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 T = TypeVar("T")
 MAX_CLOSED_REMEMBERED = 100_000
 MAX_RESULTS_PER_SESSION = 10_000
+
+
+def not_owner(session_id: str) -> PermissionDenied:
+    """A call for a session another episode owns; the owner is not named (it is that episode's business)."""
+    return PermissionDenied(
+        f"session {session_id!r} belongs to another episode; only the episode that seeded it may use it",
+        reason="NOT_SESSION_OWNER",
+        metadata={"session_id": session_id},
+    )
 
 
 @dataclass(frozen=True)
@@ -100,9 +110,11 @@ class SessionHost:
                     reason="STALE_ATTEMPT",
                     metadata={"rollout_id": episode.rollout_id, "attempt": str(episode.attempt)},
                 )
+            if slot.episode.rollout_id != episode.rollout_id:
+                raise not_owner(session_id)
             raise FailedPrecondition(
-                f"session {session_id!r} belongs to episode {slot.episode.rollout_id}/a{slot.episode.attempt}, "
-                f"not {episode.rollout_id}/a{episode.attempt}",
+                f"session {session_id!r} belongs to attempt {slot.episode.attempt} of its episode, "
+                f"not {episode.attempt}",
                 metadata={"session_id": session_id},
             )
         return slot
@@ -248,6 +260,10 @@ class SessionHost:
             ) from None
         digest = "sha256:" + hashlib.sha256(payload).hexdigest()
         old = self._slots.get(session_id)
+        if old is not None and old.episode.rollout_id != episode.rollout_id:
+            with contextlib.suppress(Exception):
+                await self.run(session.close)
+            raise not_owner(session_id)
         self._slots[session_id] = Slot(session, episode, f"restored:{digest}", reply)
         self._closed.pop(session_id, None)
         if old is not None:

@@ -209,7 +209,7 @@ class _Stub:
 
     def __init__(self, channel: grpc.aio.Channel, stub_class: Callable[[grpc.aio.Channel], Any], control: bool) -> None:
         self._stub = stub_class(channel)
-        self._metadata = auth.metadata(TOKEN) if control else ()
+        self._metadata = auth.metadata(TOKEN)  # the stack token: control and data plane alike
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         impl = getattr(self._stub, method)

@@ -48,7 +48,7 @@ def test_five_thousand_concurrent_calls_at_one_server_all_succeed(start_stack):
     address = stack.server("resources/counter")["address"]
 
     async def scenario() -> tuple[collections.Counter[str], collections.Counter[str]]:
-        async with insecure_channel(address, service_channel_options()) as channel:
+        async with insecure_channel(address, service_channel_options(), token=stack.token) as channel:
             raw = pb_grpc.ResourcesServiceStub(channel)
             # No client-side retries here: the server itself must take every call.
             direct = await _fan_in(lambda: raw.ListTools(pb.ListToolsRequest(), timeout=120))

@@ -8,10 +8,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from envs.counter import CounterEnvironment
+from gymrpc.channels import insecure_channel, service_channel_options
 from gymrpc.messages import messages_to_dicts, task_from_row, task_spec
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
@@ -83,7 +83,7 @@ async def _serve(servicer: ModelServicer) -> AsyncIterator[pb_grpc.ModelServiceS
     )
     running = await start_server(ServerConfig(name="model/test", token="t"), [binding])
     try:
-        async with grpc.aio.insecure_channel(running.address) as channel:
+        async with insecure_channel(running.address, service_channel_options(), token="t") as channel:
             yield pb_grpc.ModelServiceStub(channel)
     finally:
         await running.stop(0)

@@ -21,7 +21,7 @@ import { GymrpcError, toGymrpcError } from "./errors.js";
 import { readRunDir } from "./rundir.js";
 import { connect } from "./transport.js";
 
-/** Services whose every method is a control call; only these get the bearer token. */
+/** Services whose every method is a control call (they need the stack token, not a role token). */
 export const CONTROL_SERVICES = new Set([ParticipantService.typeName]);
 export const DEFAULT_TIMEOUT_MS = 60_000;
 /** Default overall deadline of `run`: episodes are long and may outlive several agent restarts. */
@@ -41,16 +41,17 @@ export class GymClient {
   #registry;
 
   /**
-   * @param {{runDir?: string, registry?: string, token?: string, timeoutMs?: number}} [options]
-   *   `registry` and `token` default to the run folder's (see `readRunDir`); `timeoutMs` is the
-   *   default overall deadline of a call, retries included.
+   * @param {{runDir?: string, registry?: string, token?: string, tls?: object, timeoutMs?: number}} [options]
+   *   `registry`, `token` and `tls` (`TlsFiles` of transport.js) default to the run folder's (see
+   *   `readRunDir`); `timeoutMs` is the default overall deadline of a call, retries included.
    */
-  constructor({ runDir, registry, token, timeoutMs = DEFAULT_TIMEOUT_MS } = {}) {
+  constructor({ runDir, registry, token, tls, timeoutMs = DEFAULT_TIMEOUT_MS } = {}) {
     const found = readRunDir(runDir, { registry });
     this.registryAddress = found.registry;
     this.token = token ?? found.token;
+    this.tls = tls ?? found.tls;
     this.timeoutMs = timeoutMs;
-    this.#registry = connect(this.registryAddress);
+    this.#registry = connect(this.registryAddress, { tls: this.tls });
     /** The registry's own client (Resolve, ListEndpoints and Watch need no token). */
     this.registry = createClient(RegistryService, this.#registry.transport);
   }
@@ -204,7 +205,7 @@ export class GymClient {
   #clientAt(service, address) {
     let connection = this.#connections.get(address);
     if (!connection) {
-      connection = { ...connect(address, { interceptors: [this.#bearer()] }), clients: new Map() };
+      connection = { ...connect(address, { interceptors: [this.#bearer()], tls: this.tls }), clients: new Map() };
       this.#connections.set(address, connection);
     }
     let client = connection.clients.get(service.typeName);
@@ -215,17 +216,15 @@ export class GymClient {
     return client;
   }
 
-  /** Adds `authorization: Bearer <token>` to control calls, and only to them. */
+  /** Adds `authorization: Bearer <token>` to every call: control and data-plane calls both need it. */
   #bearer() {
     return (next) => async (req) => {
-      if (CONTROL_SERVICES.has(req.service.typeName)) {
-        if (!this.token) {
-          throw new GymrpcError(`${req.service.typeName}/${req.method.name} is a control call and there is no token`, {
-            code: Code.Unauthenticated,
-          });
-        }
-        req.header.set("authorization", `Bearer ${this.token}`);
+      if (!this.token) {
+        throw new GymrpcError(`${req.service.typeName}/${req.method.name} needs a credential and there is no token`, {
+          code: Code.Unauthenticated,
+        });
       }
+      req.header.set("authorization", `Bearer ${this.token}`);
       return next(req);
     };
   }

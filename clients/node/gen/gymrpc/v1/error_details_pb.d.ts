@@ -180,6 +180,22 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_OVERLOADED = 21;
    */
   OVERLOADED = 21,
+
+  /**
+   * The request's episode does not own the session it names (a session belongs
+   * to the episode that seeded it). Code PERMISSION_DENIED.
+   *
+   * @generated from enum value: ERROR_REASON_NOT_SESSION_OWNER = 22;
+   */
+  NOT_SESSION_OWNER = 22,
+
+  /**
+   * The credential is valid but its role may not call this service (for example
+   * an agent token on AgentService). Code PERMISSION_DENIED.
+   *
+   * @generated from enum value: ERROR_REASON_ROLE_NOT_ALLOWED = 23;
+   */
+  ROLE_NOT_ALLOWED = 23,
 }
 
 /**
