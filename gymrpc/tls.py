@@ -11,7 +11,6 @@ never written: nobody can issue another certificate of the stack afterwards.
 from __future__ import annotations
 
 import datetime
-import functools
 import ipaddress
 import json
 import os
@@ -55,7 +54,6 @@ class TlsFiles:
             raise ValueError(f"tls: unknown keys {sorted(unknown)} (expected cert, key, ca, server_name)")
         return cls(**{k: str(v) for k, v in data.items() if v is not None})
 
-    @functools.cache  # noqa: B019 - frozen and few: one per stack and side
     def _read(self) -> tuple[bytes | None, bytes | None, bytes | None]:
         def read(path: str | None) -> bytes | None:
             return Path(path).read_bytes() if path else None

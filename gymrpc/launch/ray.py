@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -44,11 +45,13 @@ from gymrpc.launch.local import (
     StartError,
     log_file_name,
     prepare_run_dir,
+    stack_tls,
     write_stack_state,
 )
 from gymrpc.launch.spec import RayOptions, RestartPolicy, ServerSpec, StackSpec
 from gymrpc.launch.storage import CheckpointDirError, Marker, check_checkpoint_dir, checkpoint_dirs, write_marker
 from gymrpc.registry import RegistryClient
+from gymrpc.tls import StackPki, TlsFiles, write_private
 
 log = logging.getLogger(__name__)
 REGISTRY_ACTOR = "gymrpc-registry"
@@ -98,6 +101,11 @@ class HostConfig:
     log_dir: str | None = None
     markers: dict[str, tuple[str, str]] = field(default_factory=dict)
     """Checkpoint folder -> the launcher's marker in it (`gymrpc.launch.storage.write_marker`)."""
+    tls: dict[str, str] = field(default_factory=dict)
+    """PEM material of this host's server (`cert`, `key`, `ca`, `client_cert`, `client_key`,
+    `server_name`): only its own key travels to its node. Empty: plaintext."""
+    insecure: bool = False
+    """Pass `--insecure`: plaintext on the node's network address (docs/security.md)."""
 
 
 class ServerHost:
@@ -123,6 +131,7 @@ class ServerHost:
         auth.write_token_file(token_file, config.token)
         is_registry = spec.role == "registry"
         bind = config.registry_address if is_registry else f"{self.node_ip}:{spec.bind.rpartition(':')[2]}"
+        self._server_tls, self._client_tls = _write_tls(self._private, config.tls)
         process_config = ProcessConfig(
             registry_address=config.registry_address,
             token_file=token_file,
@@ -133,6 +142,9 @@ class ServerHost:
             bind=bind,
             ready_file=self._private / "ready.json" if is_registry else None,
             new_session=False,  # stays in the worker's process group: stopping the node stops it too
+            tls=self._server_tls,
+            client_tls=self._client_tls,
+            insecure=config.insecure,
         )
         self._config = process_config
         self._process: ServerProcess | None = None
@@ -147,7 +159,7 @@ class ServerHost:
     async def _main(self) -> None:
         registry = None
         if self.spec.role != "registry":
-            registry = RegistryClient(self.config.registry_address, token=self.config.token)
+            registry = RegistryClient(self.config.registry_address, token=self.config.token, tls=self._client_tls)
         try:
             for folder in checkpoint_dirs(self.spec.args):
                 kind = await asyncio.to_thread(check_checkpoint_dir, folder, marker=self.config.markers.get(folder))
@@ -238,6 +250,7 @@ class RayLauncher:
         self._hosts: dict[str, _Host] = {}
         self._markers: dict[str, Marker] = {}
         self._lock_fd: int | None = None
+        self._tls: StackPki | None = None
         self._connected = False
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
@@ -267,7 +280,11 @@ class RayLauncher:
                 namespace=self.spec.ray.namespace,
                 log_dir=self.spec.ray.log_dir,
                 markers={folder: marker.proof for folder, marker in self._markers.items()},
+                insecure=self.spec.insecure,
             )
+            labels = [REGISTRY_NAME, *(s.name for s in self.spec.servers)]
+            node_ips = [str(n["NodeManagerAddress"]) for n in _alive_nodes(ray)]
+            self._tls = stack_tls(self.spec, self.run_dir, labels, [f"{ip}:0" for ip in node_ips])
             registry_spec = ServerSpec(name=REGISTRY_NAME, role="registry", num_cpus=0)
             here = ray.get_runtime_context().get_node_id()
             await self._start_hosts(ray, [(registry_spec, "0", self._strategy(ray, here), REGISTRY_ACTOR)], config)
@@ -345,6 +362,8 @@ class RayLauncher:
         remote = ray.remote(ServerHost)
         started = []
         for spec, endpoint_id, strategy, actor_name in instances:
+            if self._tls is not None:  # each host gets its own server's key, and no other
+                config = dataclasses.replace(config, tls=_pem_material(self._tls.servers[spec.name], self._tls.client))
             label = spec.label(endpoint_id)
             resources = {k: v for k, v in spec.resources.items()}
             try:
@@ -466,6 +485,35 @@ class RayLauncher:
 
     def server_states(self) -> list[ServerState]:
         return [h.state for h in self._hosts.values()]
+
+
+def _pem_material(server: TlsFiles, client: TlsFiles) -> dict[str, str]:
+    """The files' contents, to travel to a node with the host's config."""
+    out = {"server_name": server.server_name or ""}
+    for key, path in (
+        ("cert", server.cert),
+        ("key", server.key),
+        ("ca", server.ca),
+        ("client_cert", client.cert),
+        ("client_key", client.key),
+    ):
+        out[key] = Path(path).read_text() if path else ""
+    return out
+
+
+def _write_tls(folder: Path, material: dict[str, str]) -> tuple[TlsFiles | None, TlsFiles | None]:
+    """Write a host's PEM material into its private folder (mode 0600): (server side, health-check side)."""
+    if not material:
+        return None, None
+    paths = {}
+    for key in ("cert", "key", "ca", "client_cert", "client_key"):
+        if material.get(key):
+            write_private(folder / f"{key}.pem", material[key].encode())
+            paths[key] = str(folder / f"{key}.pem")
+    name = material.get("server_name") or None
+    server = TlsFiles(cert=paths["cert"], key=paths["key"], ca=paths.get("ca"), server_name=name)
+    client = TlsFiles(cert=paths.get("client_cert"), key=paths.get("client_key"), ca=paths.get("ca"), server_name=name)
+    return server, client
 
 
 def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
