@@ -42,6 +42,7 @@ from gymrpc import auth
 from gymrpc.auth import new_token
 from gymrpc.channels import service_channel_options
 from gymrpc.client import Client
+from gymrpc.tls import TlsFiles, create_stack_pki
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
 from gymrpc.v1 import resources_service_pb2_grpc as pb_grpc
@@ -53,7 +54,10 @@ TOOL, ARGUMENTS = "increment_counter", '{"count": 1}'
 SEED_ENV = '{"initial_count": 0, "expected_count": 0}'
 ROLLOUT = "bench-rollout"
 VARIANT_NAME = "resources/variant"
+OPEN_NAME, TLS_NAME = "resources/bench-open", "resources/bench-tls"
 GRPC, HTTP, VARIANT = "grpc", "http", "variant"
+OPEN, TLS = "open", "tls"
+"""The same resources server with its data plane open (no credential), and serving TLS + mTLS."""
 
 AsyncCall = Callable[[], Awaitable[None]]
 SyncCall = Callable[[], None]
@@ -166,6 +170,9 @@ class Stack:
     grpc: ServerProcess
     http: ServerProcess
     token: str
+    open: ServerProcess
+    tls: ServerProcess
+    tls_client: TlsFiles
     variant: ServerProcess | None = None
 
     @classmethod
@@ -207,6 +214,16 @@ class Stack:
             http = [py, str(ROOT / "bench" / "http_counter_server.py"), "--ready-file", str(ready),
                     "--loop", http_loop, "--http", http_parser]  # fmt: skip
             started.append(spawn("fastapi", http, ready, env))
+            ready = folder / "open.json"
+            started.append(spawn("open", [*resources(OPEN_NAME, ready, [py, "-m", "servers.resources"]),
+                                          "--no-data-plane-credentials"], ready, env))  # fmt: skip
+            pki = create_stack_pki(folder / "tls", [TLS_NAME], ["127.0.0.1", "localhost"])
+            files = pki.servers[TLS_NAME]
+            ready = folder / "tls-server.json"  # not tls.json: that would make the folder a TLS run folder
+            tls_server = [py, "-m", "servers.resources", "--environment", "counter", "--name", TLS_NAME,
+                          "--ready-file", str(ready), "--grace", "1", "--tls-cert", str(files.cert),
+                          "--tls-key", str(files.key), "--tls-ca", str(files.ca)]  # fmt: skip
+            started.append(spawn("tls", tls_server, ready, env))  # not registered: the registry is plaintext
             if variant is not None:
                 ready = folder / "variant.json"
                 patches = [arg for patch in variant for arg in ("--patch", patch)]
@@ -216,16 +233,17 @@ class Stack:
             for server in reversed(started):
                 server.stop()
             raise
-        return cls(registry, started[1], started[2], token, started[3] if variant is not None else None)
+        return cls(registry, started[1], started[2], token, started[3], started[4], pki.client,
+                   started[5] if variant is not None else None)  # fmt: skip
 
     def server(self, kind: str) -> ServerProcess:
-        server = {GRPC: self.grpc, HTTP: self.http, VARIANT: self.variant}[kind]
+        server = {GRPC: self.grpc, HTTP: self.http, VARIANT: self.variant, OPEN: self.open, TLS: self.tls}[kind]
         assert server is not None
         return server
 
     def stop(self) -> None:
         # Resources servers deregister before the registry goes.
-        for server in (self.variant, self.http, self.grpc, self.registry):
+        for server in (self.variant, self.tls, self.open, self.http, self.grpc, self.registry):
             if server is not None:
                 server.stop()
 
@@ -270,6 +288,12 @@ class Clients:
         self.httpx_async = httpx.AsyncClient(base_url=http_base)
         self.httpx_sync = httpx.Client(base_url=http_base)
         self.own_httpx: list[httpx.AsyncClient] = []
+        self.open_channel = grpc.aio.insecure_channel(stack.open.address, options=service_channel_options())
+        self.open_stub = pb_grpc.ResourcesServiceStub(self.open_channel)
+        self.tls_channel = grpc.aio.secure_channel(
+            stack.tls.address, stack.tls_client.channel_credentials(), options=service_channel_options()
+        )
+        self.tls_stub = pb_grpc.ResourcesServiceStub(self.tls_channel)
         self.variant_channel = self.variant_stub = None
         if stack.variant is not None:
             self.variant_channel = grpc.aio.insecure_channel(stack.variant.address, options=service_channel_options())
@@ -277,10 +301,10 @@ class Clients:
 
     async def seed(self, kind: str, session_id: str) -> None:
         episode = common_pb2.EpisodeId(rollout_id=ROLLOUT, attempt=0)
-        if kind in (GRPC, VARIANT):
+        if kind in (GRPC, VARIANT, OPEN, TLS):
             task = common_pb2.Task(task_id="bench", env_json=SEED_ENV)
             request = pb.SeedSessionRequest(session_id=session_id, episode_id=episode, task=task)
-            stub = self.aio_stub if kind == GRPC else self.variant_stub
+            stub = {GRPC: self.aio_stub, VARIANT: self.variant_stub, OPEN: self.open_stub, TLS: self.tls_stub}[kind]
             assert stub is not None
             await stub.SeedSession(request, metadata=self.credential)
         else:
@@ -294,6 +318,13 @@ class Clients:
     def variant_call(self, session_id: str) -> AsyncCall:
         assert self.variant_stub is not None
         return _grpc_call(self.variant_stub.CallTool, session_id, self.credential)
+
+    def open_call(self, session_id: str) -> AsyncCall:
+        """No credential: the server was started with `--no-data-plane-credentials`."""
+        return _grpc_call(self.open_stub.CallTool, session_id)
+
+    def tls_call(self, session_id: str) -> AsyncCall:
+        return _grpc_call(self.tls_stub.CallTool, session_id, self.credential)
 
     def named_call(self, session_id: str) -> AsyncCall:
         return _grpc_call(self.named.CallTool, session_id)
@@ -346,6 +377,8 @@ class Clients:
     async def close(self) -> None:
         await self.client.close()
         await self.aio_channel.close(None)
+        await self.open_channel.close(None)
+        await self.tls_channel.close(None)
         if self.variant_channel is not None:
             await self.variant_channel.close(None)
         self.sync_channel.close()
@@ -392,6 +425,14 @@ def build_configs(concurrency: int, variant: str | None = None) -> list[Config]:
                **ref),
         Config("http-sync", "HTTP  FastAPI <- httpx.Client", HTTP, Clients.httpx_sync_call, False, **ref),
     ]  # fmt: skip
+    # Against the raw stub with its credential over plaintext: what TLS + mTLS costs, and what
+    # the data-plane credential costs (its ratio is without / with).
+    configs += [
+        Config("grpc-aio-tls", "gRPC  raw grpc.aio stub, TLS + mTLS", TLS, Clients.tls_call, True,
+               baseline="grpc-aio"),
+        Config("grpc-aio-open", "gRPC  raw grpc.aio stub, no credential", OPEN, Clients.open_call, True,
+               baseline="grpc-aio"),
+    ]  # fmt: skip
     if variant:
         configs.append(Config("grpc-aio-variant", f"gRPC  raw grpc.aio stub -> [{variant}]", VARIANT,
                               Clients.variant_call, True, baseline="grpc-aio"))  # fmt: skip
@@ -407,6 +448,10 @@ def build_configs(concurrency: int, variant: str | None = None) -> list[Config]:
                True, c, **ref),
         Config(f"http-async-own-c{c}", f"HTTP  FastAPI <- {c} own httpx.AsyncClient", HTTP,
                Clients.httpx_own_async_call, True, c, **ref),
+        Config(f"grpc-aio-tls-c{c}", f"gRPC  raw grpc.aio stub x{c}, TLS + mTLS", TLS, Clients.tls_call, True, c,
+               baseline=f"grpc-aio-c{c}"),
+        Config(f"grpc-aio-open-c{c}", f"gRPC  raw grpc.aio stub x{c}, no credential", OPEN, Clients.open_call,
+               True, c, baseline=f"grpc-aio-c{c}"),
     ]  # fmt: skip
     if variant:
         label = f"gRPC  raw grpc.aio stub x{c} -> [{variant}]"

@@ -43,6 +43,8 @@ def test_quick_bench_reports_ratios(tmp_path: Path) -> None:
     pairs = {(config, base) for config, base, *_ in ratios}
     assert ("grpc-client", "http-async") in pairs, proc.stdout
     assert ("grpc-aio", "http-async") in pairs, proc.stdout
+    assert ("grpc-aio-tls", "grpc-aio") in pairs, proc.stdout  # what TLS + mTLS costs
+    assert ("grpc-aio-open", "grpc-aio") in pairs, proc.stdout  # what the data-plane credential costs
     for _, _, ratio, calls, base_calls in ratios:
         assert float(ratio) > 0
         assert int(calls) > 0
