@@ -228,3 +228,35 @@ def test_a_checkpoint_of_resources_replicas_restores_onto_another_replica_count(
         between=python_reads_the_index,
         GYMRPC_NODE_PLACEMENT=json.dumps(placement),
     )
+
+
+PLAINTEXT_PROBE = """
+import { GymClient } from "./src/index.js";
+const gym = new GymClient({ tls: false, timeoutMs: 3000 });  // plaintext against a TLS stack
+try {
+  await gym.resolve("agent/counter");
+  console.log("ANSWERED");
+} catch (err) {
+  console.log(`REFUSED ${err.code}`);
+} finally {
+  gym.close();
+}
+"""
+
+
+def test_names_and_episodes_against_a_tls_stack(node_project: Path, start_stack) -> None:
+    """The Node client learns TLS and mTLS from the run folder's tls.json, and sends the token."""
+    stack = start_stack(None, "--tls")
+    counts = node_test(node_project, "test/stack.test.js", GYMRPC_RUN_DIR=str(stack.run_dir))
+    assert counts["skipped"] == 0
+    assert counts["pass"] == 4
+    probe = subprocess.run(
+        ["node", "--input-type=module", "-e", PLAINTEXT_PROBE],
+        cwd=node_project,
+        env={**os.environ, "GYMRPC_RUN_DIR": str(stack.run_dir)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert probe.stdout.startswith("REFUSED"), probe.stdout + probe.stderr
