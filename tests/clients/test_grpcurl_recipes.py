@@ -47,3 +47,16 @@ def test_recipes_against_the_default_stack(start_stack) -> None:
         stack.stop()
         stack = start_stack()  # fresh processes, same run folder (and checkpoints)
         assert check_recipes(stack.run_dir, "--fresh-stack", "--tool", tool) == (1, 0)
+
+
+TLS_RECIPES = ("services", "endpoints", "resolve", "health", "tools", "run", "invalid", "unauthenticated")
+
+
+@pytest.mark.slow
+def test_recipes_against_a_tls_stack(start_stack) -> None:
+    """The same recipes take the TLS form (the stack's CA and client certificate) from tls.json."""
+    grpcurl = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) is not None
+    stack = start_stack(None, "--tls")
+    passed, skipped = check_recipes(stack.run_dir, "--only", *TLS_RECIPES)
+    assert passed == 2 * len(TLS_RECIPES)
+    assert skipped == (0 if grpcurl else len(TLS_RECIPES))
