@@ -104,7 +104,9 @@ class Client:
 
                 if (found := discover_registry()) is None:
                     raise
-                target, ray_token = found
+                target, ray_token, ray_tls = found
+                if self.tls is None:
+                    tls = self.tls = ray_tls
         if token is None:
             token = os.environ.get("GYMRPC_TOKEN")
             token_file = folder / rundir.TOKEN_FILE

@@ -62,15 +62,19 @@ CALL_TIMEOUT = 10.0
 """Seconds a host actor has to answer `status` before the launcher counts it as restarting."""
 
 
-def discover_registry(namespace: str | None = None, timeout: float = CALL_TIMEOUT) -> tuple[str, str] | None:
-    """`(registry address, token)` of the stack the Ray launcher runs in `namespace`, from inside Ray.
+def discover_registry(
+    namespace: str | None = None, timeout: float = CALL_TIMEOUT
+) -> tuple[str, str, TlsFiles | None] | None:
+    """`(registry address, token, client TLS)` of the stack the Ray launcher runs in `namespace`, from inside Ray.
 
     Returns None unless `ray` is already imported and initialized (a Ray job, task or actor, or
     a driver after `ray.init`) and the stack's registry actor exists; never imports or starts Ray.
     The namespace defaults to `$GYMRPC_RAY_NAMESPACE`, else `gymrpc`.
 
-    The token comes along: anyone who can call actors on the cluster can already run any code
-    on it, so the cluster, not the token, is the trust boundary there.
+    The token comes along, and for a TLS stack the CA and client certificate (written to a
+    private temporary folder of this process, mode 0600): anyone who can call actors on the
+    cluster can already run any code on it, so the cluster, not the token, is the trust
+    boundary there.
     """
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
@@ -81,7 +85,13 @@ def discover_registry(namespace: str | None = None, timeout: float = CALL_TIMEOU
     except ValueError:
         return None
     info = ray.get(host.info.remote(), timeout=timeout)
-    return info["registry"], info["token"]
+    client = None
+    if info.get("ca"):
+        folder = Path(tempfile.mkdtemp(prefix="gymrpc-client-tls-"))
+        cert, key = info["client_cert"], info["client_key"]  # no server key: the client side only
+        material = {"cert": cert, "key": key, "client_cert": cert, "client_key": key, "ca": info["ca"]}
+        _, client = _write_tls(folder, {**material, "server_name": info.get("server_name", "")})
+    return info["registry"], info["token"], client
 
 
 # -- on the nodes ---------------------------------------------------------------------------------
@@ -215,8 +225,12 @@ class ServerHost:
         return {**asdict(state), "host_pid": os.getpid(), "node_id": self.node_id, "error": self._error}
 
     def info(self) -> dict[str, str]:
-        """What `discover_registry` returns."""
-        return {"registry": self.config.registry_address, "token": self.config.token}
+        """What `discover_registry` returns (with the client side of a TLS stack's material)."""
+        tls = self.config.tls
+        out = {"registry": self.config.registry_address, "token": self.config.token}
+        if tls:
+            out |= {k: tls[k] for k in ("ca", "client_cert", "client_key", "server_name")}
+        return out
 
     def stop(self) -> None:
         """Stop the server gracefully (SIGTERM, drain, SIGKILL after the grace); idempotent."""

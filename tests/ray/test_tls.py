@@ -4,6 +4,7 @@ actor gets its own server's, servers on both nodes speak mTLS, and episodes run 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from gymrpc.v1 import resources_service_pb2 as res_pb
 from gymrpc.v1 import resources_service_pb2_grpc as res_grpc
 from tests.ray import episodes
 from tests.ray.conftest import WORKER_IP, RayCluster
-from tests.ray.test_ray_cluster import SMALL, ray_stack
+from tests.ray.test_ray_cluster import JOB, SMALL, ray_stack
 from tests.resume.helpers import POLICY
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,7 @@ def _cluster_env(ray_cluster: RayCluster, monkeypatch: pytest.MonkeyPatch) -> No
 def test_a_tls_stack_spans_both_nodes(ray_cluster: RayCluster, start_stack: Any, run_dir: Path) -> None:
     config = episodes.stack(run_dir / "store", resources=2, placement=SMALL)
     config["servers"][2]["node"] = WORKER_IP
-    stack = start_stack({**ray_stack(ray_cluster, config, run_dir), "tls": True})
+    stack = start_stack({**ray_stack(ray_cluster, config, run_dir, namespace="gymrpc"), "tls": True})  # JOB looks there
     assert (run_dir / "tls.json").exists()
     servers = {s["name"]: s for s in stack.state()["servers"]}
     assert servers["agent/simple"]["node"] == WORKER_IP
@@ -57,3 +58,11 @@ def test_a_tls_stack_spans_both_nodes(ray_cluster: RayCluster, start_stack: Any,
     trajectories, plaintext = asyncio.run(scenario())
     episodes.check_results(dict(zip(tasks, trajectories, strict=True)), tasks)
     assert plaintext == grpc.StatusCode.UNAVAILABLE
+
+    # A Ray job with no run folder finds the stack, its token and its client certificate through Ray.
+    job = ray_cluster.python(JOB)
+    assert job.returncode == 0, job.stderr[-3000:]
+    found = json.loads(job.stdout.strip().splitlines()[-1])
+    registry = stack.state()["registry"]
+    assert found["driver"] == [["increment_counter", "get_counter_value"], registry]
+    assert found["task"] == [["increment_counter", "get_counter_value"], registry, WORKER_IP]
