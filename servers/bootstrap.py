@@ -1,11 +1,12 @@
 """The one way every gymrpc server starts, registers, serves and stops.
 
 `start_server` binds (port 0, a fixed port, or a unix socket guarded by a lock
-file), adds health and reflection, wraps every servicer with the token check and
-error mapping (`servers.guard`), and registers the address it actually got under
-its stable name. `serve` runs until SIGTERM/SIGINT and then stops gracefully:
-deregister, health NOT_SERVING, drain in-flight calls for `grace` seconds, run the
-role's own teardown.
+file; TLS with `--tls-*`, plaintext beyond loopback only with `--insecure`), adds
+health and reflection, checks data-plane credentials (`servers.credentials`), wraps
+every servicer with the control-token check and error mapping (`servers.guard`), and
+registers the address it actually got under its stable name. `serve` runs until
+SIGTERM/SIGINT and then stops gracefully: deregister, health NOT_SERVING, drain
+in-flight calls for `grace` seconds, run the role's own teardown.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Wraps a servicer's methods once: token check on control methods, errors mapped to rich status.
 
 Wrapping the servicer (instead of a server interceptor) keeps the per-call path to
-one extra coroutine frame: no interceptor chain runs on data-plane calls.
+one extra coroutine frame. Data-plane credentials are checked before this, by the one
+interceptor of `servers.credentials` (its cost, about nothing, is in bench/README.md).
 """
 
 from __future__ import annotations
