@@ -78,6 +78,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The server already runs as many calls as it admits; nothing was done.
     Retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
     """
+    ERROR_REASON_REPLAY_DIVERGENCE: _ErrorReason.ValueType  # 22
+    """A retried agent run asked the model something other than the recorded
+    call at the same position (its code is not deterministic); the metadata
+    names the `position` and the first differing `field`. Code
+    FAILED_PRECONDITION.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -144,5 +150,11 @@ ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 20
 ERROR_REASON_OVERLOADED: ErrorReason.ValueType  # 21
 """The server already runs as many calls as it admits; nothing was done.
 Retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+"""
+ERROR_REASON_REPLAY_DIVERGENCE: ErrorReason.ValueType  # 22
+"""A retried agent run asked the model something other than the recorded
+call at the same position (its code is not deterministic); the metadata
+names the `position` and the first differing `field`. Code
+FAILED_PRECONDITION.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

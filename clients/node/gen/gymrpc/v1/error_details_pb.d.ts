@@ -180,6 +180,16 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_OVERLOADED = 21;
    */
   OVERLOADED = 21,
+
+  /**
+   * A retried agent run asked the model something other than the recorded
+   * call at the same position (its code is not deterministic); the metadata
+   * names the `position` and the first differing `field`. Code
+   * FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_REPLAY_DIVERGENCE = 22;
+   */
+  REPLAY_DIVERGENCE = 22,
 }
 
 /**
