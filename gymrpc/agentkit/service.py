@@ -274,7 +274,7 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
             stop_reason=agent_pb.STOP_REASON_FINAL_ANSWER,
             policy_version=request.policy_version,
             usage=run.usage,
-            timing=agent_pb.Timing(total=duration(time.perf_counter() - started)),
+            timing=common_pb2.Timing(total=duration(time.perf_counter() - started)),
         )
 
     async def _resources(self, method: str, request: Any) -> Any:

@@ -23,6 +23,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from aiohttp import web
 from gymrpc.control import EpisodeKey
 from gymrpc.errors import GymrpcError, InvalidArgument
 from gymrpc.ids import check_id
+from gymrpc.messages import message_to_dict
 from gymrpc.v1 import model_service_pb2 as pb
 from servers.model import openai_shapes as shapes
 from servers.model.replay import FAIL, GO_LIVE, ReplayRecord
@@ -39,6 +41,7 @@ from servers.model.service import ModelServicer
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_EPISODE_STATS = 100_000
 EPISODE_HEADER = "x-gymrpc-episode"
 RUN_HEADER = "x-gymrpc-run"
 DIVERGENCE_HEADER = "x-gymrpc-divergence"
@@ -99,6 +102,8 @@ class OpenAIFrontDoor:
         self.model_name = model_name
         self.replay = replay or ReplayRecord()
         self.stats = {"generated": 0, "replayed": 0}
+        self.episode_stats: OrderedDict[EpisodeKey, dict[str, int]] = OrderedDict()
+        """Per episode attempt (LRU): calls generated and calls answered from the record."""
         self.app = web.Application(client_max_size=max_body_bytes)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_post("/v1/chat/completions", self._guarded(self._chat))
@@ -175,9 +180,13 @@ class OpenAIFrontDoor:
                 position = self.replay.position(episode, run_id, canonical, divergence)
                 extra = {"gymrpc": {"episode": str(episode), "position": position.index, "replayed": False}}
                 if position.entry is not None:
-                    self.stats["replayed"] += 1
+                    self._count(episode, "replayed")
                     extra["gymrpc"]["replayed"] = True
                     recorded = position.entry.response
+                    tokens = recorded.tokens  # the next turn renders this reply from its exact ids
+                    self.servicer.memory.remember(
+                        tokens.prompt_token_ids, message_to_dict(recorded.message), tokens.completion_token_ids
+                    )
                     return _one_delta(recorded), _ready(recorded), extra
             digest = hashlib.sha256(
                 json.dumps([str(episode), run_id, position and position.index, canonical]).encode()
@@ -186,7 +195,7 @@ class OpenAIFrontDoor:
         else:
             generate.request_id = f"http-{uuid.uuid4().hex}"
         flight = self.servicer._admit(generate, streaming=streaming)
-        self.stats["generated"] += 1
+        self._count(episode, "generated")
 
         async def final() -> pb.GenerateResponse:
             response = await flight.result()
@@ -198,6 +207,16 @@ class OpenAIFrontDoor:
         task = asyncio.get_running_loop().create_task(final())
         return flight.events(), asyncio.shield(task), extra
 
+    def _count(self, episode: EpisodeKey | None, what: str) -> None:
+        self.stats[what] += 1
+        if episode is None:
+            return
+        counts = self.episode_stats.setdefault(episode, {"generated": 0, "replayed": 0})
+        counts[what] += 1
+        self.episode_stats.move_to_end(episode)
+        while len(self.episode_stats) > MAX_EPISODE_STATS:
+            self.episode_stats.popitem(last=False)
+
     # -- routes ----------------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -205,7 +224,16 @@ class OpenAIFrontDoor:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response({**self.stats, "record": self.replay.stats})
+        """Counts for benchmarks and tests; `?episode=<rollout_id>/<attempt>` for one episode."""
+        wanted = request.query.get("episode")
+        if wanted is None:
+            return web.json_response({**self.stats, "record": self.replay.stats})
+        try:
+            episode = parse_episode(wanted, "episode")
+        except GymrpcError as err:
+            return error_response(err)
+        counts = self.episode_stats.get(episode, {"generated": 0, "replayed": 0})
+        return web.json_response({**counts, "recorded": len(self.replay.entries(episode))})
 
     async def _chat(self, request: web.Request, body: Any) -> web.StreamResponse:
         parsed = shapes.chat_request(body)

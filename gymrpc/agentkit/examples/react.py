@@ -56,11 +56,12 @@ async def solve_responses(episode: Episode) -> list[dict[str, Any]]:
             break
         if text:
             items.append({"type": "message", "role": "assistant", "content": text})
+        # The calls first, then their outputs: the order the model made them in (one assistant turn).
+        items += [
+            {"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls
+        ]
         for call in calls:
             output = await episode.call_tool(call)
-            items.append(
-                {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}
-            )
             items.append({"type": "function_call_output", "call_id": call.call_id, "output": output})
             messages.append({"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": output})
     return messages
