@@ -5,7 +5,8 @@ subprocess serves both paths from the same servicer and backend; every client ru
 
 1. Per-call cost: the same one-turn conversation, sequential calls, through
    - `grpc`: `ModelService.Generate` on a plain grpc.aio stub,
-   - `http`: `POST /v1/chat/completions` with httpx (the JSON path alone),
+   - `raw`: `POST /v1/chat/completions` over one keep-alive socket (the server's HTTP path alone),
+   - `httpx`: the same with httpx (the client library the openai SDK uses),
    - `openai`: the same through the official `openai.AsyncOpenAI` client.
    Configs interleave over rounds; medians per call.
 2. A 20-call episode (the conversation grows each call) run live under one run id, then
@@ -86,13 +87,31 @@ async def per_call(address: str, url: str, calls: int, rounds: int) -> dict[str,
             request.request_id = uuid.uuid4().hex
             await stub.Generate(request, timeout=30)
 
+        host, _, rest = url.removeprefix("http://").partition(":")
+        reader, writer = await asyncio.open_connection(host, int(rest.partition("/")[0]))
+        payload = json.dumps(body).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        ).encode()
+
+        async def via_raw() -> None:
+            writer.write(head + payload)
+            await writer.drain()
+            lines = (await reader.readuntil(b"\r\n\r\n")).split(b"\r\n")
+            assert lines[0].split()[1] == b"200", lines[0]
+            length = next(
+                int(v) for k, _, v in (h.partition(b":") for h in lines[1:]) if k.lower() == b"content-length"
+            )
+            await reader.readexactly(length)
+
         async def via_http() -> None:
             (await http.post(f"{url}/chat/completions", json=body)).raise_for_status()
 
         async def via_openai() -> None:
             await client.chat.completions.create(model="m", messages=messages)  # type: ignore[arg-type]
 
-        configs = {"grpc": via_grpc, "http": via_http, "openai": via_openai}
+        configs = {"grpc": via_grpc, "raw": via_raw, "httpx": via_http, "openai": via_openai}
         samples: dict[str, list[float]] = {name: [] for name in configs}
         for call in configs.values():
             for _ in range(20):
@@ -103,6 +122,7 @@ async def per_call(address: str, url: str, calls: int, rounds: int) -> dict[str,
                 for _ in range(calls):
                     await call()
                 samples[name].append((time.perf_counter() - started) / calls)
+        writer.close()
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -144,7 +164,8 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"per call (median of {args.rounds} rounds x {args.calls} sequential calls, token delay {args.token_delay}s)")
     for name, seconds in costs.items():
         print(f"  {name:7s} {seconds * 1e6:9.0f} us")
-    print(f"RATIO http / grpc: {costs['http'] / costs['grpc']:.2f}x per-call time")
+    print(f"RATIO raw / grpc: {costs['raw'] / costs['grpc']:.2f}x per-call time")
+    print(f"RATIO httpx / grpc: {costs['httpx'] / costs['grpc']:.2f}x per-call time")
     print(f"RATIO openai / grpc: {costs['openai'] / costs['grpc']:.2f}x per-call time")
     print(f"{args.episode_calls}-call episode: generated {statistics.median(regenerated) * 1e3:.1f} ms, ", end="")
     print(f"replayed from the record {statistics.median(replay) * 1e3:.1f} ms")
