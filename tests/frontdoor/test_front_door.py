@@ -18,6 +18,8 @@ import openai
 import pytest
 
 from gymrpc.client import Client
+from gymrpc.control import EpisodeKey
+from gymrpc.controller import Controller
 from gymrpc.messages import task_from_row
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
@@ -234,5 +236,40 @@ def test_responses_api_with_function_calls_and_outputs(front_door: tuple[Path, s
             assert final.status == "completed"
             with pytest.raises(openai.BadRequestError):
                 await client.responses.create(model="m", input=[{"type": "image", "url": "x"}])
+
+    asyncio.run(scenario())
+
+
+def test_episode_calls_are_captured_and_retire_frees_their_record(front_door: tuple[Path, str]) -> None:
+    run_dir, url = front_door
+    stats_url = f"{url[: -len('/v1')]}/gymrpc/stats"
+
+    async def scenario() -> None:
+        async with Client(run_dir=run_dir) as client, openai.AsyncOpenAI(base_url=url, api_key="unused") as model:
+            controller = Controller(client)
+
+            async def ledger_rows() -> int:
+                return (await controller.status())["model/policy"].report.counts["ledger_rows"]
+
+            before = await ledger_rows()
+            await model.chat.completions.create(model="m", messages=[USER], tools=TOOLS)  # no episode
+            assert await ledger_rows() == before
+            headers = {"x-gymrpc-episode": "cap-1/0", "x-gymrpc-run": "run-1"}
+            reply = await model.chat.completions.create(model="m", messages=[USER], tools=TOOLS, extra_headers=headers)
+            assert (reply.model_extra or {})["gymrpc"] == {"episode": "cap-1/a0", "position": 0, "replayed": False}
+            assert await ledger_rows() == before + 1
+            # The episode in the body's metadata works as the header does.
+            await model.chat.completions.create(
+                model="m", messages=[USER], tools=TOOLS, metadata={"gymrpc_episode": "cap-2/0"}
+            )
+            assert await ledger_rows() == before + 2
+            async with httpx.AsyncClient() as http:
+                assert (await http.get(stats_url, params={"episode": "cap-1/0"})).json()["recorded"] == 1
+                await controller.retire("retire-1", [EpisodeKey("cap-1", 0)])
+                assert (await http.get(stats_url, params={"episode": "cap-1/0"})).json()["recorded"] == 0
+            with pytest.raises(openai.ConflictError) as caught:  # the retired attempt is fenced
+                await model.chat.completions.create(model="m", messages=[USER], extra_headers=headers)
+            assert caught.value.body["code"] == "stale_attempt"
+            await controller.forget("forget-1", ["cap-1"])
 
     asyncio.run(scenario())
