@@ -29,7 +29,7 @@ import httpx
 
 from gymrpc.agentkit.episode import Episode, ToolCaller, ToolOutput
 from gymrpc.control import EpisodeKey
-from gymrpc.errors import FailedPrecondition, GymrpcError, InvalidArgument, NotFound, Unavailable
+from gymrpc.errors import Aborted, FailedPrecondition, GymrpcError, InvalidArgument, NotFound, Unavailable
 from gymrpc.ids import check_id
 from gymrpc.messages import message_from_dict, message_to_dict, parse_json_object, tool_definition_to_dict
 from gymrpc.pbtime import duration
@@ -167,12 +167,29 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
         self.resources = client.resources(resources_name)
         self.resources_name, self.model_name = resources_name, model_name
         self.call_timeout, self.divergence, self.crash = call_timeout, divergence, crash
+        self._running: set[EpisodeKey] = set()
 
     async def Run(self, request: agent_pb.RunRequest, context: grpc.aio.ServicerContext) -> agent_pb.RunResponse:
-        return agent_pb.RunResponse(trajectory=await self.run(request))
+        return agent_pb.RunResponse(trajectory=await self.run_once(request))
 
     async def RunStream(self, request: agent_pb.RunStreamRequest, context: grpc.aio.ServicerContext) -> Any:
-        yield agent_pb.RunStreamResponse(trajectory=await self.run(request.request))
+        yield agent_pb.RunStreamResponse(trajectory=await self.run_once(request.request))
+
+    async def run_once(self, request: agent_pb.RunRequest) -> agent_pb.Trajectory:
+        """One run per episode attempt at a time: two would drive the same session and record."""
+        episode = _episode(request)
+        if episode in self._running:
+            raise Aborted(
+                f"episode {episode} is already running on this agent; retry after it finishes",
+                reason="LEASE_HELD",
+                metadata={"rollout_id": episode.rollout_id, "attempt": str(episode.attempt)},
+                retry_delay=1.0,
+            )
+        self._running.add(episode)
+        try:
+            return await self.run(request, episode)
+        finally:
+            self._running.discard(episode)
 
     async def front_door(self) -> str:
         endpoints = await self.client.registry.resolve(self.model_name)
@@ -184,10 +201,9 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
             metadata={"model": self.model_name},
         )
 
-    async def run(self, request: agent_pb.RunRequest) -> agent_pb.Trajectory:
+    async def run(self, request: agent_pb.RunRequest, episode: EpisodeKey) -> agent_pb.Trajectory:
         import openai
 
-        episode = _episode(request)
         task = request.task
         if not task.input:
             raise InvalidArgument(

@@ -100,6 +100,10 @@ def test_killed_at_every_boundary_kind_the_retried_run_replays_to_the_same_resul
                 )
             )
             stats = {name: await episode_stats(client, f"ep-{i}") for i, name in enumerate(names)}
+            every = await asyncio.gather(
+                *(client.run(task(k), episode_id=f"all-{k}", policy_version="p", agent="agent/plain") for k in range(5))
+            )
+            assert [t.reward for t in every] == [1.0] * 5  # the example solves every counter task
             return dict(zip(names, results, strict=True)), stats
 
     results, stats = asyncio.run(scenario())

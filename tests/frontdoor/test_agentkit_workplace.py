@@ -15,12 +15,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from envs.workplace_assistant import example_rollouts_path, rollout_tasks_path
 from gymrpc.client import Client
 from gymrpc.messages import task_from_row
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from tests.frontdoor.test_agentkit import REACT, episode_stats, outcome
 from tests.resume.helpers import crash_env
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "gymrpc/agentkit/examples/workplace.yaml"
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -41,24 +45,11 @@ def _kit(name: str, env: dict[str, str] | None = None) -> dict[str, Any]:
 def test_the_example_agent_scores_the_recorded_rewards_and_survives_a_kill_during_a_tool(
     start_stack: Any, run_dir: Path
 ) -> None:
-    model_args = {
-        "backend": "scripted",
-        "recorded": "env:workplace_assistant",
-        "default_max_tokens": 4096,
-        "openai_port": 0,
-        "replay_dir": str(run_dir / "replay"),
-    }
-    stack = start_stack(
-        {
-            "restart": {"max_restarts": 5, "window_seconds": 60, "backoff_seconds": 0.05},
-            "servers": [
-                {"name": "resources/workplace", "role": "resources", "args": {"environment": "workplace"}},
-                {"name": "model/policy", "role": "model", "args": model_args},
-                _kit("agent/kit"),
-                _kit("agent/killed", crash_env("during_tool:1", run_dir / "killed.crashed")),
-            ],
-        }
-    )
+    config = yaml.safe_load(EXAMPLE.read_text())  # the shipped example stack, plus a crashing twin
+    model = next(s for s in config["servers"] if s["name"] == "model/policy")
+    model["args"]["replay_dir"] = str(run_dir / "replay")
+    config["servers"].append(_kit("agent/killed", crash_env("during_tool:1", run_dir / "killed.crashed")))
+    stack = start_stack(config)
     tasks, recordings = _rows(rollout_tasks_path()), _rows(example_rollouts_path())
     live = [{**row, "verify_mode": "live"} for row in tasks]
 
@@ -69,9 +60,11 @@ def test_the_example_agent_scores_the_recorded_rewards_and_survives_a_kill_durin
                 task = task_from_row(row, rollout_id)
                 return client.run(task, episode_id=rollout_id, policy_version="p", agent=agent, timeout=180)
 
-            recorded = await asyncio.gather(*(run(row, f"rec-{i}", "agent/kit") for i, row in enumerate(tasks)))
+            recorded = await asyncio.gather(*(run(row, f"rec-{i}", "agent/react") for i, row in enumerate(tasks)))
             # Task 4 searches then deletes an email: killed right after the delete ran.
-            pair = await asyncio.gather(run(live[4], "plain-4", "agent/kit"), run(live[4], "killed-4", "agent/killed"))
+            pair = await asyncio.gather(
+                run(live[4], "plain-4", "agent/react"), run(live[4], "killed-4", "agent/killed")
+            )
             return list(recorded), list(pair), await episode_stats(client, "killed-4")
 
     recorded, (plain, killed), stats = asyncio.run(scenario())
