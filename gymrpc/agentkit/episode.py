@@ -42,6 +42,7 @@ class ToolCaller:
         import json
 
         index, self._count = self._count, self._count + 1
+        name: Any
         if isinstance(call, str):
             name, args, ident = call, arguments, call_id
         else:

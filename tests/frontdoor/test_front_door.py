@@ -273,3 +273,32 @@ def test_episode_calls_are_captured_and_retire_frees_their_record(front_door: tu
             await controller.forget("forget-1", ["cap-1"])
 
     asyncio.run(scenario())
+
+
+def test_a_streamed_call_is_replayed_as_a_stream_with_the_same_tokens(front_door: tuple[Path, str]) -> None:
+    _, url = front_door
+    conversation: list[Any] = [USER]
+
+    async def streamed(client: openai.AsyncOpenAI, run_id: str) -> tuple[str, list[int], list[Any]]:
+        headers = {"x-gymrpc-episode": "stream-1/0", "x-gymrpc-run": run_id}
+        stream = await client.chat.completions.create(
+            model="m", messages=conversation, tools=TOOLS, stream=True, extra_headers=headers
+        )
+        ids, calls, replayed = [], [], []
+        async for chunk in stream:
+            replayed.append((chunk.model_extra or {}).get("gymrpc", {}).get("replayed"))
+            for choice in chunk.choices:
+                ids += (choice.model_extra or {}).get("token_ids") or []
+                calls += [(c.id, c.function.name, c.function.arguments) for c in choice.delta.tool_calls or ()]
+        return str(replayed[0]), ids, calls
+
+    async def scenario() -> None:
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+            live = await streamed(client, "run-1")
+            again = await streamed(client, "run-2")
+        assert live[0] == "False"
+        assert again[0] == "True"
+        assert again[1:] == live[1:]
+        assert len(live[2]) == 2
+
+    asyncio.run(scenario())
