@@ -165,7 +165,7 @@ class OpenAIFrontDoor:
         """Deltas, the final response, and the `gymrpc` extra field: from the record or the servicer."""
         generate = parsed.request
         episode = self._episode(request, parsed.metadata)
-        canonical = json.loads(json.dumps(_comparable(generate)))
+        canonical: dict[str, Any] = {}
         run_id = request.headers.get(RUN_HEADER, "")
         divergence = request.headers.get(DIVERGENCE_HEADER, FAIL)
         if divergence not in (FAIL, GO_LIVE):
@@ -174,6 +174,7 @@ class OpenAIFrontDoor:
         position = None
         if episode is not None:
             generate.episode_id.rollout_id, generate.episode_id.attempt = episode.rollout_id, episode.attempt
+            canonical = json.loads(json.dumps(_comparable(generate)))
             if run_id:
                 if len(run_id) > 128 or not run_id.isprintable():
                     raise InvalidArgument(f"{RUN_HEADER} must be printable, at most 128 characters")
