@@ -191,15 +191,23 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
         finally:
             self._running.discard(episode)
 
-    async def front_door(self) -> str:
+    async def front_door(self, episode: EpisodeKey) -> str:
+        """The base URL of the replica that keeps this episode's record: the same one on every run.
+
+        Replicas of the model each keep their own record, so an episode sticks to one, chosen
+        by its rollout id among the replicas serving a front door (sorted by endpoint id).
+        """
         endpoints = await self.client.registry.resolve(self.model_name)
-        for endpoint in endpoints:
-            if endpoint.labels.get(OPENAI_LABEL):
-                return str(endpoint.labels[OPENAI_LABEL])
-        raise FailedPrecondition(
-            f"model {self.model_name!r} serves no OpenAI front door; start it with --openai-port 0",
-            metadata={"model": self.model_name},
-        )
+        urls = [
+            e.labels[OPENAI_LABEL] for e in sorted(endpoints, key=lambda e: e.endpoint_id) if e.labels.get(OPENAI_LABEL)
+        ]
+        if not urls:
+            raise FailedPrecondition(
+                f"model {self.model_name!r} serves no OpenAI front door; start it with --openai-port 0",
+                metadata={"model": self.model_name},
+            )
+        pick = int(hashlib.sha256(episode.rollout_id.encode()).hexdigest()[:8], 16) % len(urls)
+        return str(urls[pick])
 
     async def run(self, request: agent_pb.RunRequest, episode: EpisodeKey) -> agent_pb.Trajectory:
         import openai
@@ -251,7 +259,7 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
         transport = _Observed(httpx.AsyncHTTPTransport(socket_options=nodelay), run.on_reply, run.before_call)
         http = httpx.AsyncClient(transport=transport, timeout=self.call_timeout)
         client = openai.AsyncOpenAI(
-            base_url=await self.front_door(), api_key="gymrpc", default_headers=headers, http_client=http
+            base_url=await self.front_door(episode), api_key="gymrpc", default_headers=headers, http_client=http
         )
         context = Episode(
             episode_id=episode,
