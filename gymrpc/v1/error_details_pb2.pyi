@@ -86,6 +86,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The credential is valid but its role may not call this service (for example
     an agent token on AgentService). Code PERMISSION_DENIED.
     """
+    ERROR_REASON_REPLAY_DIVERGENCE: _ErrorReason.ValueType  # 24
+    """A retried agent run asked the model something other than the recorded
+    call at the same position (its code is not deterministic); the metadata
+    names the `position` and the first differing `field`. Code
+    FAILED_PRECONDITION.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -160,5 +166,11 @@ to the episode that seeded it). Code PERMISSION_DENIED.
 ERROR_REASON_ROLE_NOT_ALLOWED: ErrorReason.ValueType  # 23
 """The credential is valid but its role may not call this service (for example
 an agent token on AgentService). Code PERMISSION_DENIED.
+"""
+ERROR_REASON_REPLAY_DIVERGENCE: ErrorReason.ValueType  # 24
+"""A retried agent run asked the model something other than the recorded
+call at the same position (its code is not deterministic); the metadata
+names the `position` and the first differing `field`. Code
+FAILED_PRECONDITION.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

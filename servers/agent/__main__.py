@@ -5,6 +5,7 @@ follows them when they restart on new ports. `--resume-dir PATH` turns on durabl
 every episode is checkpointed at each boundary under PATH, and a retried `Run` (after the
 agent itself was killed, say) continues it. Otherwise the agent serves `ParticipantService`
 (coordinated checkpoints: `servers.agent.participant`) unless `--no-participant`.
+`--entrypoint module:function` serves an agent function instead (`gymrpc.agentkit`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import resource
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,10 @@ SWEEP_INTERVAL = 600.0
 
 
 def main() -> None:
+    if any(a == "--entrypoint" or a.startswith("--entrypoint=") for a in sys.argv[1:]):
+        from gymrpc.agentkit.serve import main as serve_function
+
+        return serve_function()  # an agent function (gymrpc.agentkit) instead of the built-in loop
     parser = argparse.ArgumentParser(prog="python -m servers.agent", description=__doc__)
     add_common_arguments(parser, default_name="agent/simple")
     defaults = AgentConfig()

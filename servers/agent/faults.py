@@ -9,7 +9,8 @@ the agent itself can. Set in the agent's environment:
 `after_*` kills the process right after the save that follows the seed, model call N
 (zero-based step), tool call N or text turn N of an episode (the first one when N is
 omitted). `during_verify` kills it after the resources server has served `Verify` but
-before the agent has seen the reply, so the work is done and its result is lost. The
+before the agent has seen the reply, so the work is done and its result is lost;
+`during_tool[:N]` (agent functions, `gymrpc.agentkit`) likewise for tool call N. The
 marker file is created (O_EXCL) before the kill; a process that finds it does not
 crash, so the restarted agent finishes the episode. Never set these in production.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
-KINDS = ("after_seed", "after_model", "after_tool", "after_turn", "during_verify")
+KINDS = ("after_seed", "after_model", "after_tool", "after_turn", "during_verify", "during_tool")
 _SPEC = re.compile(r"(?P<kind>[a-z_]+)(?::(?P<index>\d+))?")
 
 

@@ -5,11 +5,13 @@ python -m servers.model --backend scripted --script replies.jsonl --recorded exa
 python -m servers.model --policy counter --recorded env:blackjack   # an env's bundled recordings
 python -m servers.model --backend openai --upstream-url http://127.0.0.1:8011
 python -m servers.model --backend vllm --model-path DIR [--dtype bfloat16] [--tensor-parallel-size 2]
+python -m servers.model --policy counter --openai-port 0 --replay-dir DIR   # + the OpenAI HTTP front door
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import re
@@ -22,6 +24,7 @@ from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
 from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
 from servers.model.backends.base import ModelBackend
 from servers.model.backends.vllm import add_vllm_arguments, model_tokenizer_file
+from servers.model.openai_front import OPENAI_LABEL, add_openai_arguments, start_openai
 from servers.model.participant import ModelParticipant
 from servers.model.requests import Limits
 from servers.model.service import ModelServicer
@@ -125,6 +128,7 @@ def main() -> None:
         help="abort through vLLM's /abort_requests (VLLM_SERVER_DEV_MODE=1), keeping partials",
     )
     add_vllm_arguments(parser)
+    add_openai_arguments(parser)
     args = parser.parse_args()
     if args.backend == "openai" and not args.upstream_url:
         parser.error("--backend openai needs --upstream-url")
@@ -154,13 +158,18 @@ def main() -> None:
         if wants_participant(args, config):
             plane, control = start_plane(ModelParticipant(servicer), config.name, args)
             bindings.append(control)
+        front_door, serving = await start_openai(args, servicer, config.name), config
+        if front_door is not None:  # clients find the front door by the model's stable name
+            serving = dataclasses.replace(config, labels={**config.labels, OPENAI_LABEL: front_door.url})
 
         async def stop() -> None:
+            if front_door is not None:
+                await front_door.close()
             if plane is not None:
                 await plane.close()
             await servicer.close()
 
-        await serve(config, bindings, on_stop=stop)
+        await serve(serving, bindings, on_stop=stop)
 
     run(f"model:{args.backend}", main_async, args.log_level)
 

@@ -18,7 +18,7 @@ this participant (set by the constructor).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
@@ -251,6 +251,14 @@ class ModelParticipant(Participant):
         self.ledger.drop([e for e in self.ledger.episodes() if self.marks.is_retired(e)])
         self.cuts.drop(episodes)
         self._pending = {e for e in self._pending if not self.marks.is_retired(e)}
+        replay = getattr(self.servicer, "replay", None)  # the OpenAI front door's record (servers.model.replay)
+        if replay is not None:
+            replay.retired(self.marks.is_retired)
+
+    async def forget(self, rollout_ids: Iterable[str]) -> None:
+        replay = getattr(self.servicer, "replay", None)
+        if replay is not None:
+            replay.forget(rollout_ids)
 
     def details(self) -> dict[str, str]:
         return {"backend": self.backend.name, "ledger_tokens": str(self.ledger.tokens())}

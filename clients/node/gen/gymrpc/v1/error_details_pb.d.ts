@@ -196,6 +196,16 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_ROLE_NOT_ALLOWED = 23;
    */
   ROLE_NOT_ALLOWED = 23,
+
+  /**
+   * A retried agent run asked the model something other than the recorded
+   * call at the same position (its code is not deterministic); the metadata
+   * names the `position` and the first differing `field`. Code
+   * FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_REPLAY_DIVERGENCE = 24;
+   */
+  REPLAY_DIVERGENCE = 24,
 }
 
 /**

@@ -1,0 +1,1 @@
+"""Example agent functions for `gymrpc.agentkit` (served with `--entrypoint`)."""

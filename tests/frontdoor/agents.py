@@ -1,0 +1,15 @@
+"""Agent functions for the agent-kit tests, served with `--entrypoint tests.frontdoor.agents:NAME`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gymrpc.agentkit import Episode
+from gymrpc.agentkit.examples.react import solve
+
+
+async def not_deterministic(episode: Episode) -> list[dict[str, Any]]:
+    """The ReAct agent with its process id in a system message: a retried run asks something else."""
+    episode.messages = [{"role": "system", "content": f"You run in process {os.getpid()}."}, *episode.messages]
+    return await solve(episode)
