@@ -1,0 +1,125 @@
+"""Top-level protobuf fields as raw bytes: what changed between two revisions of a record, and back.
+
+A deterministic serialisation writes known fields in field-number order, each repeated
+entry as its own tag + value. Splitting the bytes at top-level field boundaries (no
+parsing of nested messages) gives, per field number, the list of entries; the bytes of
+the record are those entries joined in field-number order. Between two boundaries of an
+episode most fields are byte-identical and repeated ones (messages, tool calls, model
+calls) only grow, so a delta holds, per changed field, how many old entries it keeps and
+the new entries: a boundary costs the bytes of its change, not of the whole record.
+
+Delta layout: repeated (varint field number | varint entries kept | varint new entries |
+each new entry as varint length + bytes). A field absent from the delta is unchanged; a
+field with 0 kept and 0 new is removed.
+"""
+
+from __future__ import annotations
+
+Fields = dict[int, list[bytes]]
+
+
+class WireError(ValueError):
+    """The bytes are not a well-formed protobuf message or delta."""
+
+
+def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(data):
+            raise WireError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise WireError("varint too long")
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def split(data: bytes) -> Fields:
+    """Entries of each top-level field, in the order they appear."""
+    fields: Fields = {}
+    pos, end = 0, len(data)
+    while pos < end:
+        start = pos
+        tag, pos = _varint(data, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            size, pos = _varint(data, pos)
+            pos += size
+        elif wire == 5:
+            pos += 4
+        else:
+            raise WireError(f"wire type {wire} at byte {start}")
+        if pos > end or number == 0:
+            raise WireError(f"field at byte {start} runs past the end")
+        entries = fields.get(number)
+        if entries is None:
+            fields[number] = [data[start:pos]]
+        else:
+            entries.append(data[start:pos])
+    return fields
+
+
+def join(fields: Fields) -> bytes:
+    """The message bytes of `fields` (field-number order, as a deterministic serialisation writes them)."""
+    return b"".join(b"".join(fields[number]) for number in sorted(fields))
+
+
+def diff(old: Fields, new: Fields) -> bytes:
+    """The delta that turns `old` into `new`."""
+    out = bytearray()
+    for number in sorted(old.keys() | new.keys()):
+        before, after = old.get(number, []), new.get(number, [])
+        if before == after:
+            continue
+        kept = 0
+        limit = min(len(before), len(after))
+        while kept < limit and before[kept] == after[kept]:
+            kept += 1
+        if kept < len(before):  # an old entry changed or went away: replace the field
+            kept = 0
+        _put_varint(out, number)
+        _put_varint(out, kept)
+        _put_varint(out, len(after) - kept)
+        for entry in after[kept:]:
+            _put_varint(out, len(entry))
+            out += entry
+    return bytes(out)
+
+
+def apply(base: Fields, delta: bytes) -> Fields:
+    """`base` with `delta` applied, as a new mapping (`base` is not changed)."""
+    fields = dict(base)
+    view = memoryview(delta)
+    pos = 0
+    while pos < len(delta):
+        number, pos = _varint(view, pos)
+        kept, pos = _varint(view, pos)
+        count, pos = _varint(view, pos)
+        entries = list(fields.get(number, [])[:kept])
+        if len(entries) != kept:
+            raise WireError(f"delta keeps {kept} entries of field {number}, the base has {len(entries)}")
+        for _ in range(count):
+            size, pos = _varint(view, pos)
+            if pos + size > len(delta):
+                raise WireError("delta entry runs past the end")
+            entries.append(bytes(view[pos : pos + size]))
+            pos += size
+        if entries:
+            fields[number] = entries
+        else:
+            fields.pop(number, None)
+    return fields
