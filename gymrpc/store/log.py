@@ -304,6 +304,8 @@ class LogEpisodeStore(EpisodeStore):
                     "episodes": list(self.index.damaged)[:10],
                 },
             )
+        while len(seqs) > 1 and os.path.getsize(self.folder / _segment_name(seqs[-1])) == 0:
+            _unlink(self.folder / _segment_name(seqs.pop()))  # a compaction that died before its first byte
         if not seqs:
             seqs = [0]
         for seq in seqs:
