@@ -8,14 +8,19 @@ episode most fields are byte-identical and repeated ones (messages, tool calls, 
 calls) only grow, so a delta holds, per changed field, how many old entries it keeps and
 the new entries: a boundary costs the bytes of its change, not of the whole record.
 
-Delta layout: repeated (varint field number | varint entries kept | varint new entries |
-each new entry as varint length + bytes). A field absent from the delta is unchanged; a
+Delta layout (little-endian): repeated (u32 field number | u32 entries kept | u32 new
+entries | each new entry as u32 length + bytes). A field absent from the delta is unchanged; a
 field with 0 kept and 0 new is removed.
 """
 
 from __future__ import annotations
 
+import struct
+
 Fields = dict[int, list[bytes]]
+_FIELD = struct.Struct("<III")
+_U32 = struct.Struct("<I")
+_NONE: list[bytes] = []
 
 
 class WireError(ValueError):
@@ -37,32 +42,34 @@ def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
             raise WireError("varint too long")
 
 
-def _put_varint(out: bytearray, value: int) -> None:
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-
-
 def split(data: bytes) -> Fields:
     """Entries of each top-level field, in the order they appear."""
     fields: Fields = {}
     pos, end = 0, len(data)
     while pos < end:
         start = pos
-        tag, pos = _varint(data, pos)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            _, pos = _varint(data, pos)
+        tag = data[pos]
+        pos += 1
+        if tag >= 0x80:  # one-byte tags (fields 1-15) are the common case
+            tag, pos = _varint(data, start)
+        wire = tag & 7
+        if wire == 2:
+            size = data[pos] if pos < end else 0
+            pos += 1
+            if size >= 0x80:
+                size, pos = _varint(data, pos - 1)
+            pos += size
+        elif wire == 0:
+            while pos < end and data[pos] >= 0x80:
+                pos += 1
+            pos += 1
         elif wire == 1:
             pos += 8
-        elif wire == 2:
-            size, pos = _varint(data, pos)
-            pos += size
         elif wire == 5:
             pos += 4
         else:
             raise WireError(f"wire type {wire} at byte {start}")
+        number = tag >> 3
         if pos > end or number == 0:
             raise WireError(f"field at byte {start} runs past the end")
         entries = fields.get(number)
@@ -80,9 +87,9 @@ def join(fields: Fields) -> bytes:
 
 def diff(old: Fields, new: Fields) -> bytes:
     """The delta that turns `old` into `new`."""
-    out = bytearray()
+    parts: list[bytes] = []
     for number in sorted(old.keys() | new.keys()):
-        before, after = old.get(number, []), new.get(number, [])
+        before, after = old.get(number, _NONE), new.get(number, _NONE)
         if before == after:
             continue
         kept = 0
@@ -91,35 +98,36 @@ def diff(old: Fields, new: Fields) -> bytes:
             kept += 1
         if kept < len(before):  # an old entry changed or went away: replace the field
             kept = 0
-        _put_varint(out, number)
-        _put_varint(out, kept)
-        _put_varint(out, len(after) - kept)
-        for entry in after[kept:]:
-            _put_varint(out, len(entry))
-            out += entry
-    return bytes(out)
+        added = after[kept:]
+        parts.append(_FIELD.pack(number, kept, len(added)))
+        for entry in added:
+            parts.append(_U32.pack(len(entry)))
+            parts.append(entry)
+    return b"".join(parts)
 
 
 def apply(base: Fields, delta: bytes) -> Fields:
     """`base` with `delta` applied, as a new mapping (`base` is not changed)."""
     fields = dict(base)
-    view = memoryview(delta)
-    pos = 0
-    while pos < len(delta):
-        number, pos = _varint(view, pos)
-        kept, pos = _varint(view, pos)
-        count, pos = _varint(view, pos)
-        entries = list(fields.get(number, [])[:kept])
-        if len(entries) != kept:
-            raise WireError(f"delta keeps {kept} entries of field {number}, the base has {len(entries)}")
-        for _ in range(count):
-            size, pos = _varint(view, pos)
-            if pos + size > len(delta):
-                raise WireError("delta entry runs past the end")
-            entries.append(bytes(view[pos : pos + size]))
-            pos += size
-        if entries:
-            fields[number] = entries
-        else:
-            fields.pop(number, None)
+    pos, end = 0, len(delta)
+    try:
+        while pos < end:
+            number, kept, count = _FIELD.unpack_from(delta, pos)
+            pos += _FIELD.size
+            entries = list(fields.get(number, _NONE)[:kept])
+            if len(entries) != kept:
+                raise WireError(f"delta keeps {kept} entries of field {number}, the base has {len(entries)}")
+            for _ in range(count):
+                (size,) = _U32.unpack_from(delta, pos)
+                pos += 4
+                if pos + size > end:
+                    raise WireError("delta entry runs past the end")
+                entries.append(delta[pos : pos + size])
+                pos += size
+            if entries:
+                fields[number] = entries
+            else:
+                fields.pop(number, None)
+    except struct.error:
+        raise WireError("truncated delta") from None
     return fields

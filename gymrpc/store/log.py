@@ -187,7 +187,7 @@ class LogLease(EpisodeLease):
         fd, self._fd = self._fd, None
         self.base = None
         if fd is not None:
-            os.close(fd)
+            self.store._pool.submit(os.close, fd)  # drops the flock; not on the event loop (it can take a while)
 
 
 @dataclass
