@@ -187,7 +187,7 @@ class LogLease(EpisodeLease):
         fd, self._fd = self._fd, None
         self.base = None
         if fd is not None:
-            self.store._pool.submit(os.close, fd)  # drops the flock; not on the event loop (it can take a while)
+            await self.store._io(os.close, fd)  # drops the flock; off the event loop (it can take a while)
 
 
 @dataclass
@@ -468,7 +468,7 @@ class LogEpisodeStore(EpisodeStore):
             kind, payload = frames.FULL, data
             if held.base is not None and held.deltas < self.full_every:
                 delta = fields.diff(held.base, state)
-                if len(delta) + 4 < len(data) // 2:
+                if len(delta) + 4 < len(data) * 3 // 4:  # else a FULL frame: fewer reads at load, little more
                     kind, payload = frames.DELTA, frames.encode_delta_payload(zlib.crc32(data), delta)
             frame = frames.encode(
                 kind, held.rollout_id, payload, version=version, revision=record.revision, expires_ns=expires
