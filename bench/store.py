@@ -4,8 +4,9 @@ In one process, `--episodes` episodes are in flight at once; each takes its leas
 `--boundaries` boundaries of a counter-like record (a growing conversation, a tool call
 record per step, a ~1 KB session snapshot replaced at every tool boundary), releases, and
 starts the next episode, until `--total` boundaries were saved. Every save returns only once
-durable. Rounds alternate the stores on the same filesystem (log, files, log, ...), the
-median is reported. The disk's ceiling is measured in the same run: the same number of
+durable. Rounds alternate the stores on the same filesystem: `log` (LogEpisodeStore, field
+deltas), `log-whole` (every boundary written whole: `full_every=0`) and `files`
+(FilesystemEpisodeStore); the median is reported. The disk's ceiling is measured in the same run: the same number of
 batches of the log's average batch bytes written and `fdatasync`ed by one thread.
 
     .venv/bin/python bench/store.py [--quick] [--episodes N] [--total N] [--rounds R] [--dir PATH] [--json out.json]
@@ -37,6 +38,7 @@ from gymrpc.store import (  # noqa: E402
 from gymrpc.v1 import agent_service_pb2 as agent_pb  # noqa: E402
 from gymrpc.v1 import common_pb2  # noqa: E402
 
+KINDS = ("log", "log-whole", "files")
 TOOLS = [
     common_pb2.ToolDefinition(
         name=name, description=f"{name} the counter", parameters_json_schema='{"type":"object","properties":{}}'
@@ -115,13 +117,18 @@ def disk_ceiling(folder: Path, batches: int, batch_bytes: int) -> float:
 
 
 async def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
-    results: dict[str, dict[str, Any]] = {"log": {"rounds": []}, "files": {"rounds": []}}
+    kinds = KINDS
+    results: dict[str, dict[str, Any]] = {kind: {"rounds": []} for kind in kinds}
     stats: dict[str, Any] = {}
     for r in range(args.rounds):
-        for kind in ("log", "files") if r % 2 == 0 else ("files", "log"):
+        for kind in kinds if r % 2 == 0 else reversed(kinds):
             root = folder / f"{kind}-{r}"
-            store: EpisodeStore = LogEpisodeStore(root) if kind == "log" else FilesystemEpisodeStore(root)
-            total = args.total if kind == "log" else max(args.total // 8, args.episodes * args.boundaries)
+            store: EpisodeStore
+            if kind == "files":
+                store = FilesystemEpisodeStore(root)
+            else:
+                store = LogEpisodeStore(root, full_every=32 if kind == "log" else 0)
+            total = args.total if kind != "files" else max(args.total // 8, args.episodes * args.boundaries)
             round_args = argparse.Namespace(**{**vars(args), "total": total})
             got = await run_round(store, f"r{r}", round_args)
             await store.close()
@@ -132,7 +139,7 @@ async def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             if kind == "log":
                 stats = {"batches": s.batches, "batch_bytes": s.bytes // s.batches}
             print(
-                f"  round {r} {kind:5s} {got['boundaries_per_s']:9.0f} durable boundaries/s  "
+                f"  round {r} {kind:9s} {got['boundaries_per_s']:9.0f} durable boundaries/s  "
                 f"{got['cpu_us_per_boundary']:6.1f} us CPU/boundary  {got['bytes_per_boundary']:6.0f} B/boundary  "
                 f"{got['writes_per_batch']:6.1f} saves/batch",
                 flush=True,
@@ -164,14 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         results = asyncio.run(measure(args, Path(tmp)))
     log, files, disk = results["log"], results["files"], results["disk"]
     print(f"\n{args.episodes} episodes in flight, {args.boundaries} boundaries each, {args.rounds} rounds (median)")
-    for name, r in (("log", log), ("files", files)):
+    for name in KINDS:
+        r = results[name]
         print(
-            f"{name:5s} {r['boundaries_per_s']:9.0f} durable boundaries/s  {r['cpu_us_per_boundary']:6.1f} us CPU per "
+            f"{name:9s} {r['boundaries_per_s']:9.0f} durable boundaries/s  {r['cpu_us_per_boundary']:6.1f} us CPU per "
             f"boundary  {r['bytes_per_boundary']:6.0f} B per boundary  {r['writes_per_batch']:6.1f} saves per batch"
         )
-    print(f"disk  {disk['batches_per_s']:9.0f} batches/s of {disk['batch_bytes']} B + fdatasync (one thread)")
+    print(f"disk      {disk['batches_per_s']:9.0f} batches/s of {disk['batch_bytes']} B + fdatasync (one thread)")
     print(
-        f"RATIO log / files: {log['boundaries_per_s'] / files['boundaries_per_s']:.1f}x durable boundaries/s; "
+        f"RATIO log / files: {log['boundaries_per_s'] / files['boundaries_per_s']:.1f}x durable boundaries/s "
+        f"(log-whole {results['log-whole']['boundaries_per_s'] / files['boundaries_per_s']:.1f}x); "
         f"log at {log['boundaries_per_s'] / log['writes_per_batch'] / disk['batches_per_s']:.2f}x the disk's batch rate"
     )
     if args.json:

@@ -207,7 +207,8 @@ class LogEpisodeStore(EpisodeStore):
         io_threads: threads for lease files, reads and archives.
         lease_retry_delay: seconds a refused caller is told to wait (`RetryInfo`).
         max_batch: most frames committed together.
-        full_every: a FULL frame at least every this many deltas of an episode (bounds a load's reads).
+        full_every: a FULL frame at least every this many deltas of an episode (bounds a load's reads);
+            0 writes every boundary whole (no field split and diff: less CPU, more bytes).
         compact_min_bytes: the log is never compacted below this size ...
         compact_ratio: ... nor while it is below this many times its live records' bytes.
     """
@@ -423,8 +424,8 @@ class LogEpisodeStore(EpisodeStore):
         if source.chain is None or source.chain.deleted:
             return None
         if source.view is None:
-            record, held.base = _record_from(source.chain, self._read_own, str(self.folder), held.rollout_id)
-            held.deltas = len(source.chain.frames) - 1
+            record, base = _record_from(source.chain, self._read_own, str(self.folder), held.rollout_id)
+            held.base, held.deltas = (base if self.full_every else None), len(source.chain.frames) - 1
             return record
         view = source.view
         try:
@@ -463,10 +464,10 @@ class LogEpisodeStore(EpisodeStore):
         record.updated_at.FromNanoseconds(time.time_ns())
         try:
             data = record.SerializeToString(deterministic=True)
-            state = fields.split(data)
+            state = fields.split(data) if self.full_every else None
             version, expires = held.source.version + 1, codec.expires_at_ns(record)
             kind, payload = frames.FULL, data
-            if held.base is not None and held.deltas < self.full_every:
+            if state is not None and held.base is not None and held.deltas < self.full_every:
                 delta = fields.diff(held.base, state)
                 if len(delta) + 4 < len(data) * 3 // 4:  # else a FULL frame: fewer reads at load, little more
                     kind, payload = frames.DELTA, frames.encode_delta_payload(zlib.crc32(data), delta)
