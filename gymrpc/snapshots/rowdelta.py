@@ -10,24 +10,26 @@ simply not in any run.
 
 Header: {"runs": [[0 | 1, start, count], ...], "rows": n, "index": {"kind": "range", "start",
 "stop", "step"} | {"kind": "labels"}}. A delta is written only for a frame with the base's
-columns and dtypes and unique index labels on both sides, and only after decoding it
-back gives exactly the frame (`compare.frame_differences`); otherwise the caller stores
-the whole table. So exactness (dtypes, index, None versus NaN) is the codec's, unchanged.
+columns and dtypes and unique index labels on both sides; otherwise the caller stores the
+whole table. A row counts as unchanged only if every cell has the same bits (fixed-width
+dtypes) or the same type and `compare.value_token` (objects: None is not NaN, -0.0 is not
+0.0, 1 is not True); every other row is stored by the codec itself, so exactness (dtypes,
+index, None versus NaN) is the codec's, unchanged.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import struct
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from pandas.api.types import infer_dtype
 
 from gymrpc.snapshots._values import TableCorrupt
 from gymrpc.snapshots.codec import decode_table, encode_table
-from gymrpc.snapshots.compare import frame_differences
+from gymrpc.snapshots.compare import value_token
 
 DELTA_MAGIC = b"GTD1"
 _DIGEST = 64
@@ -41,22 +43,38 @@ def delta_base(data: bytes) -> str | None:
     return data[len(DELTA_MAGIC) : len(DELTA_MAGIC) + _DIGEST].decode("ascii", "replace")
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equal in type and value (NaN equals NaN of the same type; None is not NaN)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float) and math.isnan(a):
-        return math.isnan(b)
+_SIMPLE = frozenset({str, int, bool, type(None)})
+"""Types whose `==` is exact once the types agree (floats are not: -0.0 == 0.0, NaN != NaN)."""
+
+
+def _same_objects(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per cell: same type and value, by `compare.value_token` wherever `==` could mislead."""
+    if infer_dtype(a, skipna=False) == "string" == infer_dtype(b, skipna=False):  # only str: `==` is exact
+        return np.asarray(a == b, dtype=bool)
+    same_type = np.fromiter((type(x) is type(y) for x, y in zip(a, b, strict=True)), dtype=bool, count=len(a))
     try:
-        return bool(a == b)
+        equal = np.asarray(a == b, dtype=bool)
+        if equal.shape != a.shape:
+            raise ValueError("not elementwise")
+    except (TypeError, ValueError):
+        equal = np.array([_equal(x, y) for x, y in zip(a, b, strict=True)], dtype=bool)
+    same = equal & same_type
+    simple = np.fromiter((type(x) in _SIMPLE for x in a), dtype=bool, count=len(a))
+    tricky = np.flatnonzero(same_type & ~simple)
+    for i in tricky:
+        same[i] = value_token(a[i]) == value_token(b[i])
+    return same
+
+
+def _equal(x: Any, y: Any) -> bool:
+    try:
+        return bool(x == y)
     except (TypeError, ValueError):
         return False
 
 
 def _unchanged(base: pd.DataFrame, positions: np.ndarray, frame: pd.DataFrame) -> np.ndarray:
-    """Per row of `frame`: its base row (`positions`, -1 for none) holds the same values."""
+    """Per row of `frame`: its base row (`positions`, -1 for none) holds exactly the same values."""
     keep = positions >= 0
     rows = np.flatnonzero(keep)
     at = positions[keep]
@@ -64,15 +82,22 @@ def _unchanged(base: pd.DataFrame, positions: np.ndarray, frame: pd.DataFrame) -
     for j in range(frame.shape[1]):
         a = base.iloc[:, j].to_numpy()[at]
         b = frame.iloc[:, j].to_numpy()[rows]
-        if a.dtype.kind in "fc":
-            same &= (a == b) | (np.isnan(a) & np.isnan(b))
-        elif a.dtype.kind in "biuMm" and a.dtype == b.dtype:
-            same &= a == b
+        if a.dtype == b.dtype and a.dtype.kind in "biufcmM":  # fixed width: compare the bits
+            width = a.dtype.itemsize
+            bits_a = np.ascontiguousarray(a).view(np.uint8).reshape(len(a), width)
+            bits_b = np.ascontiguousarray(b).view(np.uint8).reshape(len(b), width)
+            same &= (bits_a == bits_b).all(axis=1)
         else:
-            same &= np.fromiter((_same(x, y) for x, y in zip(a, b, strict=True)), dtype=bool, count=len(rows))
+            same &= _same_objects(np.asarray(a, dtype=object), np.asarray(b, dtype=object))
     out = np.zeros(len(frame), dtype=bool)
     out[rows] = same
     return out
+
+
+def changed_rows(base: pd.DataFrame, frame: pd.DataFrame) -> list[int]:
+    """Positions of `frame`'s rows that are not in `base` unchanged (by index label); both need unique labels."""
+    positions = base.index.get_indexer(frame.index)
+    return np.flatnonzero(~_unchanged(base, positions, frame)).tolist()
 
 
 def encode_delta(base: pd.DataFrame, base_digest: str, frame: pd.DataFrame) -> bytes | None:
@@ -108,13 +133,7 @@ def encode_delta(base: pd.DataFrame, base_digest: str, frame: pd.DataFrame) -> b
         {"runs": runs, "rows": len(frame), "index": index}, sort_keys=True, separators=(",", ":")
     ).encode()
     rows = encode_table(frame.iloc[new_rows])
-    data = b"".join([DELTA_MAGIC, base_digest.encode("ascii"), struct.pack(">I", len(header)), header, rows])
-    try:
-        if frame_differences(decode_delta(data, base), frame):
-            return None
-    except (TableCorrupt, ValueError, TypeError):
-        return None
-    return data
+    return b"".join([DELTA_MAGIC, base_digest.encode("ascii"), struct.pack(">I", len(header)), header, rows])
 
 
 def decode_delta(data: bytes, base: pd.DataFrame) -> pd.DataFrame:
@@ -129,18 +148,21 @@ def decode_delta(data: bytes, base: pd.DataFrame) -> pd.DataFrame:
     except (ValueError, KeyError, TypeError) as exc:
         raise TableCorrupt(f"table delta header: {exc}") from None
     rows = decode_table(data[at + 4 + size :])
-    pieces = []
+    take = []
     for run in runs:
         if not (isinstance(run, list) and len(run) == 3 and all(isinstance(x, int) and x >= 0 for x in run)):
             raise TableCorrupt(f"table delta run {run!r}")
         kind, start, count = run
-        source = base if kind == _BASE else rows if kind == _ROWS else None
-        if source is None or start + count > len(source):
+        source = len(base) if kind == _BASE else len(rows) if kind == _ROWS else -1
+        if start + count > source:
             raise TableCorrupt(f"table delta run {run!r} is outside its table")
-        pieces.append(source.iloc[start : start + count])
-    frame = pd.concat(pieces) if pieces else base.iloc[:0].copy()
-    if len(frame) != total:
-        raise TableCorrupt(f"table delta gives {len(frame)} rows, its header says {total}")
+        take.append(np.arange(start, start + count) + (len(base) if kind == _ROWS else 0))
+    if sum(len(t) for t in take) != total:
+        raise TableCorrupt(f"table delta gives {sum(len(t) for t in take)} rows, its header says {total}")
+    if not rows.columns.equals(base.columns) or list(rows.dtypes) != list(base.dtypes):
+        raise TableCorrupt("table delta rows do not have the base table's columns and dtypes")
+    both = pd.concat([base, rows]) if len(rows) else base
+    frame = both.iloc[np.concatenate(take) if take else np.arange(0)]
     for j, dtype in enumerate(base.dtypes):
         if frame.dtypes.iloc[j] != dtype:
             frame.isetitem(j, frame.iloc[:, j].astype(dtype))
