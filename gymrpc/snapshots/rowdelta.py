@@ -28,7 +28,7 @@ import pandas as pd
 from pandas.api.types import infer_dtype
 
 from gymrpc.snapshots._values import TableCorrupt
-from gymrpc.snapshots.codec import decode_table, encode_table
+from gymrpc.snapshots.codec import column_arrays, decode_table, encode_table
 from gymrpc.snapshots.compare import value_token
 
 DELTA_MAGIC = b"GTD1"
@@ -43,15 +43,18 @@ def delta_base(data: bytes) -> str | None:
     return data[len(DELTA_MAGIC) : len(DELTA_MAGIC) + _DIGEST].decode("ascii", "replace")
 
 
-_SIMPLE = frozenset({str, int, bool, type(None)})
+_SIMPLE_TYPES = np.array([str, int, bool, type(None)], dtype=object)
 """Types whose `==` is exact once the types agree (floats are not: -0.0 == 0.0, NaN != NaN)."""
+_TYPE = np.frompyfunc(type, 1, 1)
+_FLOAT: Any = float
 
 
 def _same_objects(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per cell: same type and value, by `compare.value_token` wherever `==` could mislead."""
     if infer_dtype(a, skipna=False) == "string" == infer_dtype(b, skipna=False):  # only str: `==` is exact
         return np.asarray(a == b, dtype=bool)
-    same_type = np.fromiter((type(x) is type(y) for x, y in zip(a, b, strict=True)), dtype=bool, count=len(a))
+    types_a, types_b = _TYPE(a), _TYPE(b)
+    same_type = np.asarray(types_a == types_b, dtype=bool)
     try:
         equal = np.asarray(a == b, dtype=bool)
         if equal.shape != a.shape:
@@ -59,8 +62,12 @@ def _same_objects(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     except (TypeError, ValueError):
         equal = np.array([_equal(x, y) for x, y in zip(a, b, strict=True)], dtype=bool)
     same = equal & same_type
-    simple = np.fromiter((type(x) in _SIMPLE for x in a), dtype=bool, count=len(a))
-    tricky = np.flatnonzero(same_type & ~simple)
+    floats = np.flatnonzero(same_type & np.asarray(types_a == _FLOAT, dtype=bool))
+    if len(floats):  # Python floats (NaN gaps): same bits, as value_token compares them
+        bits_a = a[floats].astype(np.float64).view(np.int64)
+        same[floats] = bits_a == b[floats].astype(np.float64).view(np.int64)
+    simple = np.asarray(np.isin(types_a, _SIMPLE_TYPES), dtype=bool)
+    tricky = np.flatnonzero(same_type & ~simple & np.asarray(types_a != _FLOAT, dtype=bool))
     for i in tricky:
         same[i] = value_token(a[i]) == value_token(b[i])
     return same
@@ -79,9 +86,8 @@ def _unchanged(base: pd.DataFrame, positions: np.ndarray, frame: pd.DataFrame) -
     rows = np.flatnonzero(keep)
     at = positions[keep]
     same = np.ones(len(rows), dtype=bool)
-    for j in range(frame.shape[1]):
-        a = base.iloc[:, j].to_numpy()[at]
-        b = frame.iloc[:, j].to_numpy()[rows]
+    for column_a, column_b in zip(column_arrays(base), column_arrays(frame), strict=True):
+        a, b = np.asarray(column_a)[at], np.asarray(column_b)[rows]
         if a.dtype == b.dtype and a.dtype.kind in "biufcmM":  # fixed width: compare the bits
             width = a.dtype.itemsize
             bits_a = np.ascontiguousarray(a).view(np.uint8).reshape(len(a), width)
