@@ -337,7 +337,7 @@ class LogEpisodeStore(EpisodeStore):
 
     def _read_own(self, segment: int, offset: int, length: int) -> bytes:
         with self._segments_lock:
-            return os.pread(self._fds[segment], length, offset)
+            return os.pread(self._fds[segment], length, offset)  # KeyError: the segment was compacted away
 
     def _refresh_views(self) -> list[LogView]:
         with self._views_lock:
@@ -424,7 +424,14 @@ class LogEpisodeStore(EpisodeStore):
         if source.chain is None or source.chain.deleted:
             return None
         if source.view is None:
-            record, base = _record_from(source.chain, self._read_own, str(self.folder), held.rollout_id)
+            try:
+                record, base = _record_from(source.chain, self._read_own, str(self.folder), held.rollout_id)
+            except (KeyError, DataLoss):  # compacted since the lease resolved it: its frames moved
+                fresh = self.index.chains.get(held.rollout_id)
+                if fresh is None or fresh.version != source.version:
+                    raise
+                held.source = _Source(source.version, source.revision, fresh)
+                record, base = _record_from(fresh, self._read_own, str(self.folder), held.rollout_id)
             held.base, held.deltas = (base if self.full_every else None), len(source.chain.frames) - 1
             return record
         view = source.view
@@ -670,11 +677,11 @@ class LogEpisodeStore(EpisodeStore):
                 kind, size = frames.TOMBSTONE, 0
             else:
                 try:
-                    record, _ = _record_from(chain, self._read_own, str(self.folder), rid)
+                    _, state = _record_from(chain, self._read_own, str(self.folder), rid)
                 except DataLoss:
                     damaged[rid] = chain.version
                     continue
-                data = record.SerializeToString(deterministic=True)
+                data = fields.join(state)  # the very bytes saved (a delta written since builds on them)
                 frame = frames.encode(
                     frames.FULL, rid, data, version=chain.version, revision=chain.revision, expires_ns=chain.expires_ns
                 )

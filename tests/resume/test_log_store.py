@@ -446,3 +446,26 @@ def test_a_crash_at_any_byte_of_a_compaction_keeps_every_record(tmp_path: Path) 
         assert asyncio.run(reopen()) == expected, f"compaction cut at {cut}"
         left = sorted(p.name for p in (root / "logs" / folder.name).glob("*.seg"))
         assert left == ([new.name] if cut == len(compacted) else [old.name]), (cut, left)
+
+
+def test_a_lease_taken_before_a_compaction_still_loads_its_record(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = LogEpisodeStore(tmp_path)
+        kept = _record("kept")
+        for step in range(5):
+            _grow(kept, step)
+            await _save(store, kept)
+        async with store.lease("kept") as lease:  # resolved to frames in segment 0
+            await _save(store, _record("other"))
+            await asyncio.to_thread(store._compact)  # what the commit thread does between batches (none pending)
+            assert store.stats.compactions == 1
+            assert not (store.folder / "000000000000.seg").exists()
+            assert await store.load(lease) == kept
+            _grow(kept, 5)
+            await store.save(lease, kept)  # a delta on top of the compacted record
+        await store.close()
+        again = LogEpisodeStore(tmp_path)
+        assert await _load(again, "kept") == kept
+        await again.close()
+
+    asyncio.run(scenario())
