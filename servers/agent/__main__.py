@@ -2,8 +2,9 @@
 
 The agent reaches resources and model by their stable names through the registry, so it
 follows them when they restart on new ports. `--resume-dir PATH` turns on durable resume:
-every episode is checkpointed at each boundary under PATH, and a retried `Run` (after the
-agent itself was killed, say) continues it. Otherwise the agent serves `ParticipantService`
+every episode is checkpointed at each boundary under PATH (by default appended to this
+process's group-committed log; `--resume-store files` keeps one file per episode), and a
+retried `Run` (after the agent itself was killed, say) continues it. Otherwise the agent serves `ParticipantService`
 (coordinated checkpoints: `servers.agent.participant`) unless `--no-participant`.
 """
 
