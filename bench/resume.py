@@ -2,14 +2,17 @@
 
 One stack (`gymrpc up`, real processes): resources/counter, the real model server (scripted
 counter policy), and agents that differ only in resume: `agent/off` (no checkpoints),
-`agent/on` (`--resume-dir`, fsync per file, group commit) and, unless `--quick`,
-`agent/syncfs` (`--resume-sync filesystem`). They share the resources and model servers,
-and rounds interleave the agents (order reversed every round), so load and noise hit all
-of them alike. Each round runs the same counter tasks through `gymrpc.Client.run` at a
-fixed concurrency; episodes/s is the median over the timed rounds.
+`agent/on` (`--resume-dir`, the default store: one group-committed log per agent) and,
+unless `--quick`, `agent/files` (`--resume-store files`: one file per episode, fsync per
+file, group commit) and `agent/syncfs` (`--resume-store files --resume-sync filesystem`).
+They share the resources and model servers, and rounds interleave the agents (order
+reversed every round), so load and noise hit all of them alike. Each round runs the same
+counter tasks through `gymrpc.Client.run` at a fixed concurrency; episodes/s is the median
+over the timed rounds.
 
 Durability cost is reported three ways:
-- episodes/s ratio on/off (and agent CPU seconds per episode, from /proc);
+- episodes/s ratio on/off (and agent CPU seconds per episode, from /proc; the CPU a
+  boundary adds is the difference to `agent/off` divided by the boundaries per episode);
 - bytes per boundary: the store's own count of record bytes written (header + payload)
   divided by the saves it made, and saves (boundaries) and fsyncs per episode; the agent
   logs these counters when it stops gracefully, which the bench parses;
@@ -63,6 +66,8 @@ def stack_config(store: Path, agents: list[str]) -> dict[str, Any]:
         args: dict[str, Any] = {"resources": "resources/counter", "model": "model/policy", "max_steps": 8}
         if name != "agent/off":
             args["resume_dir"] = str(store / name.replace("/", "-"))
+        if name in ("agent/files", "agent/syncfs"):
+            args["resume_store"] = "files"
         if name == "agent/syncfs":
             args["resume_sync"] = "filesystem"
         servers.append({"name": name, "role": "agent", "args": args})
@@ -189,6 +194,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 f"  | {s['bytes_per_boundary']:6.0f} B/boundary, {s['boundaries_per_episode']:.1f} boundaries "
                 f"and {s['fsyncs_per_episode']:.1f} fsyncs per episode, {s['writes_per_batch']:.1f} saves per batch"
             )
+            extra_ms = r["cpu_ms_per_episode"] - off["cpu_ms_per_episode"]
+            s["cpu_ms_per_boundary"] = extra_ms / s["boundaries_per_episode"]
+            line += f", +{s['cpu_ms_per_boundary']:.3f} ms agent CPU per boundary"
         print(line)
     for agent, r in results.items():
         if agent != "agent/off":
@@ -201,13 +209,14 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             s = r["store"]
             print(
                 f"STORE {agent}: {s['bytes_per_boundary']:.0f} bytes per boundary, "
-                f"{s['fsyncs_per_episode']:.2f} fsyncs per episode"
+                f"{s['fsyncs_per_episode']:.2f} fsyncs per episode, {s['cpu_ms_per_boundary']:.3f} ms agent CPU "
+                "per boundary"
             )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="short run for smoke tests (on vs off only)")
+    parser.add_argument("--quick", action="store_true", help="short run for smoke tests (log store on vs off only)")
     parser.add_argument("--episodes", type=int, help="timed episodes per agent per round (default 600; quick 120)")
     parser.add_argument("--concurrency", type=int, default=64, help="episodes in flight (default %(default)s)")
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5; quick 2)")
@@ -220,7 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    agents = ["agent/off", "agent/on"] + ([] if args.quick else ["agent/syncfs"])
+    agents = ["agent/off", "agent/on"] + ([] if args.quick else ["agent/files", "agent/syncfs"])
     with tempfile.TemporaryDirectory(prefix="gymrpc-bench-", dir="/tmp") as tmp:
         run_dir = Path(tmp)
         stack = Stack(run_dir, stack_config(run_dir / "store", agents))

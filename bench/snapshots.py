@@ -49,16 +49,19 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from envs.workplace_assistant import WorkplaceEnvironment, WorkplaceSession
+from envs.workplace_assistant._data import seed_blocks, seed_frames
 from gymrpc.envkit import TaskSpec
 from gymrpc.snapshots import (
     SessionTables,
     collect,
     decode_session,
     encode_session,
+    encode_table,
     pack,
     restore_sessions,
     unpack,
 )
+from gymrpc.snapshots.rowdelta import changed_rows
 
 ENV = WorkplaceEnvironment()
 
@@ -97,6 +100,42 @@ def mutations(n: int) -> list[tuple[str, dict[str, Any]]]:
             {"customer_id": "00000095", "field": "notes", "new_value": f"Call {n}"},
         ),
     ]
+
+
+def row_deltas(count: int, seed: int) -> dict[str, Any]:
+    """A mix of sessions, each replaying 1-3 of the calls above with values of its own: its own bytes
+    (blocks it does not share with the seed) against the codec's size of only its changed and added
+    rows, and against today's whole changed tables."""
+    rng = random.Random(seed)
+    seeds = {digest for digest, _ in seed_blocks().values()}
+    ratios, own_total, rows_total, whole_total = [], 0, 0, 0
+    for n in range(count):
+        calls = rng.sample(mutations(n + 1), rng.randrange(1, 4))
+        session = new_session(calls)
+        exported = session.export_tables()
+        own = sum(len(data) for digest, data in exported.blocks.items() if digest not in seeds)
+        rows = whole = 0
+        for name in session.tables:
+            if session.tables.version(name) == 0:
+                continue
+            frame, base = session.tables.get(name), seed_frames()[name]
+            whole += len(encode_table(frame))
+            if base.index.is_unique and frame.index.is_unique:
+                rows += len(encode_table(frame.iloc[changed_rows(base, frame)]))
+            else:
+                rows += len(encode_table(frame))  # no row identity: the whole table is its change
+        if not rows:
+            continue
+        ratios.append(own / rows)
+        own_total, rows_total, whole_total = own_total + own, rows_total + rows, whole_total + whole
+    return {
+        "sessions": len(ratios),
+        "own_bytes": own_total,
+        "changed_rows_bytes": rows_total,
+        "whole_tables_bytes": whole_total,
+        "median_ratio": statistics.median(ratios),
+        "max_ratio": max(ratios),
+    }
 
 
 # -- the reference's JSON export (re-implemented from its description) ---------------------------
@@ -341,6 +380,17 @@ def main() -> None:
         ref, ours, cold = result["rows"]["ref-json"], result["rows"]["ours export"], result["rows"]["ours cold"]
         ratios = f"bytes: {ref[0] / ours[0]:.1f}x  encode: {ref[1] / ours[1]:.1f}x  decode: {ref[2] / ours[2]:.1f}x"
         print(f"RATIO {label.split()[0]} {ratios}  (cold, every table encoded: encode {ref[1] / cold[1]:.1f}x)")
+    deltas = row_deltas(40 if args.quick else 200, seed=11)
+    results["row_deltas"] = deltas
+    print(
+        f"\nrow deltas: {deltas['sessions']} mutated sessions (1-3 calls each): own bytes {deltas['own_bytes']} B, "
+        f"their changed and added rows alone {deltas['changed_rows_bytes']} B, whole changed tables "
+        f"{deltas['whole_tables_bytes']} B"
+    )
+    print(
+        f"RATIO mutated own bytes / changed rows: median {deltas['median_ratio']:.2f}x, max {deltas['max_ratio']:.2f}x "
+        f"(target <= 2x); whole tables / own bytes {deltas['whole_tables_bytes'] / deltas['own_bytes']:.1f}x"
+    )
     runs = [False, True] if args.touch_all else [False]
     results["checkpoints"] = []
     for touch_all in runs:

@@ -55,6 +55,7 @@ from gymrpc.snapshots import (
     TableSet,
     TableUnsupported,
     decode_session,
+    decode_table,
     pack,
     unpack,
 )
@@ -162,7 +163,15 @@ class WorkplaceEnvironment(TableEnvironment):
                 raise SnapshotCorrupt(f"workplace snapshot: table {name} has columns {labels}")
         ordered = {name: tables[name] for name in TABLE_NAMES}
         blocks = {name: (digest, exported.blocks[digest]) for name, digest in manifest.tables.items()}
-        return WorkplaceSession(TableSet(ordered, blocks), meta["task_id"], ground_truth, meta["verify_mode"])
+        seeds = seed_frames_by_digest()
+        bases = {}  # a table restored from a row delta goes on as deltas of the same base block
+        for name, digest in manifest.tables.items():
+            base = manifest.bases.get(digest)
+            if base is not None:
+                frame = seeds[base] if base in seeds else decode_table(exported.blocks[base])
+                bases[name] = ((base, exported.blocks[base]), frame)
+        tables_set = TableSet(ordered, blocks, bases)
+        return WorkplaceSession(tables_set, meta["task_id"], ground_truth, meta["verify_mode"])
 
     def known_frames(self) -> dict[str, pd.DataFrame]:
         """Seed tables by block digest, for `decode_session` / `restore_sessions` (`known=`)."""

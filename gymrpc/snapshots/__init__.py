@@ -7,6 +7,8 @@
   manifest plus blocks, or as one self-contained payload (`Session.export`).
 - `BlockStore`, `collect`, `write_checkpoint`, `restore_sessions`: many sessions in one
   checkpoint, each distinct block stored once, restored all or nothing.
+- `encode_delta` / `decode_delta`: a changed table as its base block plus its changed, added and
+  removed rows (`TableSet` writes them when exact and smaller; manifest v2 names the base).
 - `frame_differences`, `frame_fingerprint`: strict equality that does not trust the codec.
 
 Everything here is synchronous and CPU-bound; servers call it from worker threads.
@@ -52,6 +54,7 @@ from gymrpc.snapshots.codec import (
     encode_table,
 )
 from gymrpc.snapshots.compare import frame_differences, frame_fingerprint
+from gymrpc.snapshots.rowdelta import decode_delta, delta_base, encode_delta
 from gymrpc.snapshots.tableset import Block, TableSet
 
 __all__ = [
@@ -77,9 +80,12 @@ __all__ = [
     "TableUnsupported",
     "check_digest",
     "collect",
+    "decode_delta",
     "decode_session",
     "decode_table",
+    "delta_base",
     "digest_of",
+    "encode_delta",
     "encode_session",
     "encode_table",
     "frame_differences",

@@ -10,6 +10,11 @@ packs manifest and blocks into one payload:
 
 `unpack` checks the manifest and every block against their hashes and that nothing is
 missing, extra or trailing, so a corrupt or truncated payload is refused whole.
+
+A table stored as a row delta (`rowdelta`) names its block and the base block it applies
+to: such a manifest is version 2 (`"tables": {name: [delta digest, base digest]}` for those
+tables), which a version-1 reader refuses by its version; a manifest without deltas stays
+version 1. Base blocks come before the blocks that need them in `digests()`.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from typing import Any
 
 import pandas as pd
 
+from gymrpc.snapshots._values import TableCorrupt
 from gymrpc.snapshots.blocks import BlockError, GetBlock, check_digest, digest_of, verified
 from gymrpc.snapshots.codec import TABLE_FORMAT, TABLE_FORMAT_VERSION, TableCodecError, decode_table, encode_table
+from gymrpc.snapshots.rowdelta import decode_delta, delta_base
 
 BUNDLE_FORMAT = "gymrpc.session-tables"
-BUNDLE_FORMAT_VERSION = 1
+BUNDLE_FORMAT_VERSION = 2
+"""The newest version written (2 only when a table is a row delta); versions 1 and 2 are read."""
 PAYLOAD_CONTENT_TYPE = "application/vnd.gymrpc.session-tables"
 _MAGIC = b"GRTB\x01"
 _KEYS = frozenset({"format", "version", "table_format", "tables", "meta"})
@@ -44,13 +52,19 @@ class SessionManifest:
     tables: Mapping[str, str]
     """Table name -> sha256 of its encoded block."""
     meta: Mapping[str, Any] = field(default_factory=dict)
+    bases: Mapping[str, str] = field(default_factory=dict)
+    """Digest of a row-delta block -> digest of the block it applies to."""
 
     def to_json(self) -> bytes:
+        tables: dict[str, Any] = {
+            name: [digest, self.bases[digest]] if digest in self.bases else digest
+            for name, digest in self.tables.items()
+        }
         doc = {
             "format": BUNDLE_FORMAT,
-            "version": BUNDLE_FORMAT_VERSION,
+            "version": 2 if self.bases else 1,
             "table_format": [TABLE_FORMAT, TABLE_FORMAT_VERSION],
-            "tables": dict(self.tables),
+            "tables": tables,
             "meta": dict(self.meta),
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
@@ -63,23 +77,38 @@ class SessionManifest:
             raise BundleCorrupt(f"session manifest is not JSON: {exc}") from None
         if not isinstance(doc, dict) or set(doc) != _KEYS:
             raise BundleCorrupt(f"session manifest must have exactly the keys {sorted(_KEYS)}")
-        if (doc["format"], doc["version"]) != (BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION):
-            raise BundleCorrupt(f"manifest format {doc['format']!r} v{doc['version']!r} is not {BUNDLE_FORMAT} v1")
+        if doc["format"] != BUNDLE_FORMAT or doc["version"] not in (1, 2):
+            raise BundleCorrupt(
+                f"manifest format {doc['format']!r} v{doc['version']!r} is not {BUNDLE_FORMAT} v1 or v2"
+            )
         if doc["table_format"] != [TABLE_FORMAT, TABLE_FORMAT_VERSION]:
             raise BundleCorrupt(f"tables are in {doc['table_format']!r}, this reader has {TABLE_FORMAT} v1")
-        tables, meta = doc["tables"], doc["meta"]
-        if not isinstance(tables, dict) or not isinstance(meta, dict):
+        entries, meta = doc["tables"], doc["meta"]
+        if not isinstance(entries, dict) or not isinstance(meta, dict):
             raise BundleCorrupt("manifest 'tables' and 'meta' must be objects")
+        tables: dict[str, str] = {}
+        bases: dict[str, str] = {}
         try:
-            for digest in tables.values():
-                check_digest(digest)
-        except ValueError as exc:
+            for name, entry in entries.items():
+                if isinstance(entry, list) and doc["version"] == 2:
+                    if len(entry) != 2:
+                        raise ValueError(f"table {name!r}: a delta entry is [delta digest, base digest]")
+                    tables[name], bases[entry[0]] = check_digest(entry[0]), check_digest(entry[1])
+                else:
+                    tables[name] = check_digest(entry)
+        except (ValueError, TypeError) as exc:
             raise BundleCorrupt(f"manifest: {exc}") from None
-        return cls(tables, meta)
+        return cls(tables, meta, bases)
 
     def digests(self) -> list[str]:
-        """Distinct block digests in table-name order."""
-        return list(dict.fromkeys(self.tables[name] for name in sorted(self.tables)))
+        """Distinct block digests in table-name order, each base right before the delta that needs it."""
+        ordered: list[str] = []
+        for name in sorted(self.tables):
+            digest = self.tables[name]
+            if digest in self.bases:
+                ordered.append(self.bases[digest])
+            ordered.append(digest)
+        return list(dict.fromkeys(ordered))
 
 
 @dataclass(frozen=True)
@@ -95,10 +124,15 @@ def encode_session(
     meta: Mapping[str, Any] | None = None,
     *,
     known: Mapping[str, tuple[str, bytes]] | None = None,
+    base_blocks: Mapping[str, bytes] | None = None,
 ) -> SessionTables:
-    """Encode every table; `known` gives (digest, block) for tables already encoded, which are reused as is."""
+    """Encode every table; `known` gives (digest, block) for tables already encoded, which are reused as is.
+
+    A known block may be a row delta; `base_blocks` (digest -> block) must then hold its base.
+    """
     names: dict[str, str] = {}
     blocks: dict[str, bytes] = {}
+    bases: dict[str, str] = {}
     for name, frame in tables.items():
         hit = (known or {}).get(name)
         if hit is None:
@@ -106,7 +140,13 @@ def encode_session(
             hit = (digest_of(data), data)
         names[name] = hit[0]
         blocks[hit[0]] = hit[1]
-    return SessionTables(SessionManifest(names, dict(meta or {})), blocks)
+        base = delta_base(hit[1])
+        if base is not None:
+            if base_blocks is None or base not in base_blocks:
+                raise ValueError(f"table {name!r} is a row delta of block {base[:12]}, which was not given")
+            bases[hit[0]] = base
+            blocks[base] = base_blocks[base]
+    return SessionTables(SessionManifest(names, dict(meta or {}), bases), blocks)
 
 
 def decode_session(
@@ -121,11 +161,28 @@ def decode_session(
     decoded: dict[str, pd.DataFrame] = {}
     for digest in manifest.digests():
         try:
-            data = get(digest)
-            decoded[digest] = known[digest] if known and digest in known else decode_table(data)
+            decoded[digest] = decode_block(digest, get(digest), manifest.bases, decoded, known)
         except (BlockError, TableCodecError) as exc:
             raise BundleCorrupt(f"block {digest[:12]}: {exc}") from None
     return {name: decoded[digest].copy() for name, digest in manifest.tables.items()}
+
+
+def decode_block(
+    digest: str,
+    data: bytes,
+    bases: Mapping[str, str],
+    decoded: Mapping[str, pd.DataFrame],
+    known: Mapping[str, pd.DataFrame] | None = None,
+) -> pd.DataFrame:
+    """One block's table: a known frame, a row delta applied to its (already decoded) base, or decoded."""
+    if known and digest in known:
+        return known[digest]
+    base = delta_base(data)
+    if base is None:
+        return decode_table(data)
+    if bases.get(digest) != base or base not in decoded:
+        raise TableCorrupt(f"row delta of block {base[:12]}, which the manifest does not give first")
+    return decode_delta(data, decoded[base])
 
 
 def pack(session: SessionTables) -> bytes:

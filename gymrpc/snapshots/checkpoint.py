@@ -23,8 +23,8 @@ from typing import TypeVar
 import pandas as pd
 
 from gymrpc.snapshots.blocks import BlockError, BlockStore, GetBlock, verified
-from gymrpc.snapshots.bundle import BundleCorrupt, SessionManifest, SessionTables
-from gymrpc.snapshots.codec import TableCodecError, decode_table
+from gymrpc.snapshots.bundle import BundleCorrupt, SessionManifest, SessionTables, decode_block
+from gymrpc.snapshots.codec import TableCodecError
 
 T = TypeVar("T")
 Build = Callable[[str, SessionTables, dict[str, pd.DataFrame]], T]
@@ -106,10 +106,14 @@ def restore_sessions(
     frames: dict[str, pd.DataFrame] = {}
     blocks: dict[str, bytes] = {}
     failed: dict[str, str] = {}
-    for digest in sorted({d for m in manifests.values() for d in m.tables.values()}):
+    bases = {delta: base for m in manifests.values() for delta, base in m.bases.items()}
+    digests = sorted({d for m in manifests.values() for d in m.digests()})
+    for digest in [d for d in digests if d not in bases] + [d for d in digests if d in bases]:  # bases first
         try:
+            if bases.get(digest) in failed:
+                raise BlockError(f"its base block {bases[digest][:12]} failed")
             blocks[digest] = get(digest)
-            frames[digest] = known[digest] if known and digest in known else decode_table(blocks[digest])
+            frames[digest] = decode_block(digest, blocks[digest], bases, frames, known)
         except (BlockError, TableCodecError) as exc:
             failed[digest] = f"block {digest[:12]}: {exc}"
     problems: dict[str, str] = {}

@@ -1,15 +1,19 @@
 """Durable episode checkpoints for per-episode resume (SPEC §6).
 
 `EpisodeStore` is the narrow interface the agent uses (lease, load, save with a revision
-guard, archive, TTL expiry); `FilesystemEpisodeStore` implements it with one atomically
-replaced file per episode, written through a `GroupCommitter` that batches fsyncs
-across episodes without returning before a record is durable.
+guard, archive, TTL expiry). `LogEpisodeStore` (the agent's default) appends every save to
+one group-committed log per process, one fsync per batch, and a boundary's frame holds only
+the fields that changed; `FilesystemEpisodeStore` keeps one atomically replaced file per
+episode, written through a `GroupCommitter` that batches fsyncs across episodes. Both
+return from a save only once it is durable.
 """
 
 from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore
 from gymrpc.store.codec import SCHEMA_VERSION
 from gymrpc.store.commit import CommitStats, GroupCommitter
 from gymrpc.store.files import FilesystemEpisodeStore
+from gymrpc.store.log import LogEpisodeStore
+from gymrpc.store.reader import read_record
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -19,4 +23,6 @@ __all__ = [
     "EpisodeStore",
     "FilesystemEpisodeStore",
     "GroupCommitter",
+    "LogEpisodeStore",
+    "read_record",
 ]

@@ -35,7 +35,7 @@ from gymrpc.errors import Aborted, FailedPrecondition, GymrpcError, InvalidArgum
 from gymrpc.ids import check_id
 from gymrpc.store import codec
 from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore
-from gymrpc.store.commit import GroupCommitter, SyncMode
+from gymrpc.store.commit import CommitStats, GroupCommitter, SyncMode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,6 +111,10 @@ class FilesystemEpisodeStore(EpisodeStore):
         if created:
             for folder in (self.episodes, self.root, self.root.parent):
                 _fsync_folder(folder)
+
+    @property
+    def stats(self) -> CommitStats:
+        return self.committer.stats
 
     def paths(self, rollout_id: str) -> _Paths:
         key = hashlib.sha256(check_id(rollout_id, "episode_id.rollout_id").encode()).hexdigest()

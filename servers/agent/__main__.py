@@ -2,8 +2,9 @@
 
 The agent reaches resources and model by their stable names through the registry, so it
 follows them when they restart on new ports. `--resume-dir PATH` turns on durable resume:
-every episode is checkpointed at each boundary under PATH, and a retried `Run` (after the
-agent itself was killed, say) continues it. Otherwise the agent serves `ParticipantService`
+every episode is checkpointed at each boundary under PATH (by default appended to this
+process's group-committed log; `--resume-store files` keeps one file per episode), and a
+retried `Run` (after the agent itself was killed, say) continues it. Otherwise the agent serves `ParticipantService`
 (coordinated checkpoints: `servers.agent.participant`) unless `--no-participant`.
 `--entrypoint module:function` serves an agent function instead (`gymrpc.agentkit`).
 """
@@ -25,7 +26,7 @@ from gymrpc.client import Client
 from gymrpc.errors import GymrpcError
 from gymrpc.ids import check_service_name
 from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir
-from gymrpc.store import FilesystemEpisodeStore
+from gymrpc.store import EpisodeStore, FilesystemEpisodeStore, LogEpisodeStore
 from gymrpc.v1 import agent_service_pb2 as pb
 from gymrpc.v1 import agent_service_pb2_grpc as pb_grpc
 from servers.agent.durable import ResumeConfig
@@ -96,10 +97,17 @@ def main() -> None:
         help="Run must name policy_version (default on)",
     )
     resume.add_argument(
+        "--resume-store",
+        choices=("log", "files"),
+        default="log",
+        help="log: one group-committed append-only log per agent process (default); files: one atomically "
+        "replaced file per episode",
+    )
+    resume.add_argument(
         "--resume-sync",
         choices=("file", "filesystem"),
         default="file",
-        help="how saves are made durable: fsync per file (default) or syncfs per batch",
+        help="with --resume-store files: fsync per file (default) or syncfs per batch",
     )
     add_participant_arguments(parser)
     args = parser.parse_args()
@@ -121,13 +129,17 @@ def main() -> None:
             else ResumeConfig(completed_ttl=args.completed_ttl, require_policy_version=args.require_policy_version),
         )
         crash = CrashPlan.from_environ()
-        store, filesystem = None, ""
+        store: EpisodeStore | None = None
+        filesystem = ""
         if args.resume_dir is not None:
             # Every operation the store relies on, tried once here: a folder that cannot hold
             # checkpoints fails now, with the step, rather than at an episode's first boundary.
             filesystem = check_checkpoint_dir(args.resume_dir)
             _raise_open_file_limit()  # one lock file per running episode
-            store = FilesystemEpisodeStore(args.resume_dir, sync=args.resume_sync)
+            if args.resume_store == "log":
+                store = LogEpisodeStore(args.resume_dir)
+            else:
+                store = FilesystemEpisodeStore(args.resume_dir, sync=args.resume_sync)
     except CheckpointDirError as exc:
         parser.exit(2, f"{parser.prog}: --resume-dir: {exc}\n")  # a usage error, as argparse's
     except GymrpcError as exc:
@@ -149,7 +161,12 @@ def main() -> None:
             sweeper = asyncio.get_running_loop().create_task(_sweep(store))
             log.info(
                 "durable resume on",
-                extra={"resume_dir": str(store.root), "sync": args.resume_sync, "filesystem": filesystem},
+                extra={
+                    "resume_dir": str(args.resume_dir.absolute()),
+                    "store": args.resume_store,
+                    "sync": args.resume_sync,
+                    "filesystem": filesystem,
+                },
             )
         participant, plane, bindings = None, None, []
         if store is None and wants_participant(args, server_config):
@@ -189,14 +206,14 @@ def main() -> None:
             if store is not None and sweeper is not None:
                 sweeper.cancel()
                 await store.close()
-                log.info("episode store stats", extra=asdict(store.committer.stats))
+                log.info("episode store stats", extra=asdict(store.stats))
 
         await serve(server_config, bindings, on_stop=on_stop)
 
     run(f"agent:{args.name.partition('/')[2]}", main_async, args.log_level)
 
 
-async def _sweep(store: FilesystemEpisodeStore) -> None:
+async def _sweep(store: EpisodeStore) -> None:
     """Delete expired completed episodes now and then; a failure is logged, never fatal."""
     while True:
         try:

@@ -10,6 +10,7 @@ turn's prompt starts with this turn's prompt + completion ids.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -17,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from gymrpc.chat import ChatTemplate, ChatTokenizer, CompletionMemory, ParsedReply, parse_reply
+from gymrpc.chat import ChatTemplate, ChatTokenizer, ParsedReply, parse_reply
 from gymrpc.errors import InvalidArgument
 from gymrpc.messages import message_from_dict
 from gymrpc.v1 import common_pb2
@@ -25,6 +26,7 @@ from gymrpc.v1 import model_service_pb2 as pb
 from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
 from servers.model.backends.base import Conversation, Finish, ModelBackend
 from servers.model.flights import Flight, FlightTable
+from servers.model.prompts import LockedMemory, PromptTokenizer
 from servers.model.requests import Checked, Limits, check_request
 
 log = logging.getLogger(__name__)
@@ -49,9 +51,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self.backend = backend
         self.tokenizer = tokenizer
         self.limits = limits or Limits()
-        self.memory = CompletionMemory(cache_size)
+        self.memory = LockedMemory(cache_size)
         kwargs = {} if system_prompt is None else {"default_system": system_prompt}
-        self.template = ChatTemplate(tokenizer, memory=self.memory, **kwargs)
+        self.prompts = PromptTokenizer(tokenizer)  # the previous call's pieces come back without tokenising
+        self.template = ChatTemplate(self.prompts, memory=self.memory, **kwargs)  # type: ignore[arg-type]
         self.flights = FlightTable(cache_size)
         self.gate: Any = None
         """Checkpoint hooks `admit`, `generate`, `deliver` (`servers.model.participant`), or None."""
@@ -83,7 +86,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return flight
 
     async def _run(self, flight: Flight, checked: Checked, streaming: bool) -> None:
-        prompt = self.template.render(checked.messages, checked.tools).token_ids
+        rendered = await asyncio.to_thread(self.template.render, checked.messages, checked.tools)  # off the loop
+        prompt = rendered.token_ids
         if len(prompt) > self.limits.max_prompt_tokens:
             raise InvalidArgument(
                 f"the rendered prompt has {len(prompt)} tokens; this server takes at most "

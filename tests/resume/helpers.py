@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from gymrpc.store import codec
+from gymrpc.store import read_record
 from gymrpc.store.base import EpisodeCheckpoint
 from gymrpc.v1 import common_pb2
 from tests.agent.fakes import counter_tasks
@@ -73,8 +73,8 @@ def record_path(root: Path, rollout_id: str) -> Path:
 
 
 def record(root: Path, rollout_id: str) -> EpisodeCheckpoint | None:
-    path = record_path(root, rollout_id)
-    return codec.decode(path.read_bytes(), path, rollout_id) if path.exists() else None
+    """The episode's record in a store folder of either store (read while the agent may be writing)."""
+    return read_record(root, rollout_id)
 
 
 def kill_all(stack: Any) -> None:

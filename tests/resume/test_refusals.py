@@ -254,6 +254,7 @@ def test_agent_process_refuses_a_resources_server_without_snapshots(start_stack:
     assert err.reason == "SNAPSHOT_UNSUPPORTED"
     assert "resources server 'resources/nosnap' cannot snapshot sessions" in err.message
     assert not list((store / "episodes").rglob("*.ckpt"))
+    assert record(store, "refused") is None, "nothing was saved in the log either"
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ def test_quick_snapshot_bench_reports_ratios(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("RATIO ") == 3
+    assert proc.stdout.count("RATIO ") == 4
     results = json.loads(out.read_text())
     fresh = results["sessions"][0]["rows"]
     assert 300_000 < fresh["ref-json"][0] < 400_000  # the reference's ~345 KB per fresh session
@@ -46,3 +46,6 @@ def test_quick_snapshot_bench_reports_ratios(tmp_path: Path) -> None:
     checkpoint = results["checkpoints"][0]
     assert checkpoint["sessions"] == 20
     assert checkpoint["ours"]["bytes"] < checkpoint["ref_json"]["bytes"] / 5
+    deltas = results["row_deltas"]
+    assert deltas["sessions"] > 0
+    assert deltas["own_bytes"] < deltas["whole_tables_bytes"], "a mutated session's bytes follow its changed rows"

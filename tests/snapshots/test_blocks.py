@@ -83,7 +83,7 @@ def test_every_damaged_or_truncated_payload_is_refused() -> None:
 def test_manifests_are_validated() -> None:
     good = SessionManifest({"t": digest_of(b"x")}, {"a": 1})
     assert SessionManifest.from_json(good.to_json()) == good
-    for bad in (b"{", b"[]", good.to_json().replace(b'"version":1', b'"version":2'), b'{"tables": {}}'):
+    for bad in (b"{", b"[]", good.to_json().replace(b'"version":1', b'"version":3'), b'{"tables": {}}'):
         with pytest.raises(BundleCorrupt):
             SessionManifest.from_json(bad)
     with pytest.raises(BundleCorrupt, match="digest"):

@@ -28,6 +28,7 @@ from gymrpc.client import Client
 from gymrpc.control import EpisodeKey, Kind, store
 from gymrpc.controller import Controller
 from gymrpc.errors import DataLoss, GymrpcError, NotFound
+from gymrpc.snapshots import delta_base
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
 from tests.workplace.scenario import EpisodeRecord, differences, run_episode
@@ -83,10 +84,13 @@ def _coordinated(
         assert result.continued == [checkpointed]
         records = store.read_checkpoint(result.checkpoint_dir, Kind.RESOURCES, NAME)[1]
         assert [r.resources_session.session_id for r in records if r.HasField("resources_session")] == ["crash"]
-        blocks = {r.table_block.sha256 for r in records if r.HasField("table_block")}
+        blocks = {r.table_block.sha256: r.table_block.data for r in records if r.HasField("table_block")}
         seed = {digest for digest, _ in seed_blocks().values()}
-        assert len(blocks) == 7
-        assert len(blocks - seed) == 3  # the three tables BEFORE changed, and four untouched seed blocks
+        changed = set(blocks) - seed
+        assert len(changed) == 3  # the three tables BEFORE changed
+        bases = {delta_base(blocks[d]) for d in changed} - {None}
+        assert bases <= set(blocks) & seed, "a row delta's seed block is stored with it"
+        assert len(blocks) == 7 + len(bases)  # four untouched seed blocks, and the bases of the deltas
         await _wait_restarted(stack, stack.kill(NAME))
         restored = await controller.restore("restore-1", result.checkpoint_dir, result.continued)
         assert [EpisodeKey.of(e) for e in restored[NAME].restored] == [checkpointed.next()]

@@ -17,6 +17,7 @@ from gymrpc.snapshots import (
     CheckpointInvalid,
     collect,
     decode_table,
+    delta_base,
     digest_of,
     encode_session,
     encode_table,
@@ -149,9 +150,12 @@ def test_untouched_tables_reuse_the_seed_blocks() -> None:
     a.call_tool("email_send_email", {"recipient": "x@y.com", "subject": "s", "body": "b"})
     blocks_a, blocks_b = a.export_tables().blocks, b.export_tables().blocks
     shared = set(blocks_a) & set(blocks_b)
-    assert len(shared) == 6
+    assert len(shared) == 7, "six untouched tables, and the seed block the changed table's row delta applies to"
     assert all(blocks_a[d] is blocks_b[d] for d in shared)
     assert a.tables.changed() == []  # the export cached the changed table's block too
+    (changed,) = set(blocks_a) - shared
+    assert delta_base(blocks_a[changed]) in shared
+    assert len(blocks_a[changed]) < 2000, "one sent email costs about its row, not the 27 KB table"
 
 
 def test_a_hundred_untouched_sessions_cost_almost_nothing_in_a_checkpoint() -> None:

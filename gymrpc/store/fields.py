@@ -1,0 +1,133 @@
+"""Top-level protobuf fields as raw bytes: what changed between two revisions of a record, and back.
+
+A deterministic serialisation writes known fields in field-number order, each repeated
+entry as its own tag + value. Splitting the bytes at top-level field boundaries (no
+parsing of nested messages) gives, per field number, the list of entries; the bytes of
+the record are those entries joined in field-number order. Between two boundaries of an
+episode most fields are byte-identical and repeated ones (messages, tool calls, model
+calls) only grow, so a delta holds, per changed field, how many old entries it keeps and
+the new entries: a boundary costs the bytes of its change, not of the whole record.
+
+Delta layout (little-endian): repeated (u32 field number | u32 entries kept | u32 new
+entries | each new entry as u32 length + bytes). A field absent from the delta is unchanged; a
+field with 0 kept and 0 new is removed.
+"""
+
+from __future__ import annotations
+
+import struct
+
+Fields = dict[int, list[bytes]]
+_FIELD = struct.Struct("<III")
+_U32 = struct.Struct("<I")
+_NONE: list[bytes] = []
+
+
+class WireError(ValueError):
+    """The bytes are not a well-formed protobuf message or delta."""
+
+
+def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(data):
+            raise WireError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise WireError("varint too long")
+
+
+def split(data: bytes) -> Fields:
+    """Entries of each top-level field, in the order they appear."""
+    fields: Fields = {}
+    pos, end = 0, len(data)
+    while pos < end:
+        start = pos
+        tag = data[pos]
+        pos += 1
+        if tag >= 0x80:  # one-byte tags (fields 1-15) are the common case
+            tag, pos = _varint(data, start)
+        wire = tag & 7
+        if wire == 2:
+            size = data[pos] if pos < end else 0
+            pos += 1
+            if size >= 0x80:
+                size, pos = _varint(data, pos - 1)
+            pos += size
+        elif wire == 0:
+            while pos < end and data[pos] >= 0x80:
+                pos += 1
+            pos += 1
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise WireError(f"wire type {wire} at byte {start}")
+        number = tag >> 3
+        if pos > end or number == 0:
+            raise WireError(f"field at byte {start} runs past the end")
+        entries = fields.get(number)
+        if entries is None:
+            fields[number] = [data[start:pos]]
+        else:
+            entries.append(data[start:pos])
+    return fields
+
+
+def join(fields: Fields) -> bytes:
+    """The message bytes of `fields` (field-number order, as a deterministic serialisation writes them)."""
+    return b"".join(b"".join(fields[number]) for number in sorted(fields))
+
+
+def diff(old: Fields, new: Fields) -> bytes:
+    """The delta that turns `old` into `new`."""
+    parts: list[bytes] = []
+    for number in sorted(old.keys() | new.keys()):
+        before, after = old.get(number, _NONE), new.get(number, _NONE)
+        if before == after:
+            continue
+        kept = 0
+        limit = min(len(before), len(after))
+        while kept < limit and before[kept] == after[kept]:
+            kept += 1
+        if kept < len(before):  # an old entry changed or went away: replace the field
+            kept = 0
+        added = after[kept:]
+        parts.append(_FIELD.pack(number, kept, len(added)))
+        for entry in added:
+            parts.append(_U32.pack(len(entry)))
+            parts.append(entry)
+    return b"".join(parts)
+
+
+def apply(base: Fields, delta: bytes) -> Fields:
+    """`base` with `delta` applied, as a new mapping (`base` is not changed)."""
+    fields = dict(base)
+    pos, end = 0, len(delta)
+    try:
+        while pos < end:
+            number, kept, count = _FIELD.unpack_from(delta, pos)
+            pos += _FIELD.size
+            entries = list(fields.get(number, _NONE)[:kept])
+            if len(entries) != kept:
+                raise WireError(f"delta keeps {kept} entries of field {number}, the base has {len(entries)}")
+            for _ in range(count):
+                (size,) = _U32.unpack_from(delta, pos)
+                pos += 4
+                if pos + size > end:
+                    raise WireError("delta entry runs past the end")
+                entries.append(delta[pos : pos + size])
+                pos += size
+            if entries:
+                fields[number] = entries
+            else:
+                fields.pop(number, None)
+    except struct.error:
+        raise WireError("truncated delta") from None
+    return fields

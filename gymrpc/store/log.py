@@ -1,0 +1,767 @@
+"""`LogEpisodeStore`: every episode's boundaries appended to one group-committed log per agent process.
+
+Layout (the lease files and archive as in `files`, so both stores can share a folder):
+
+    root/episodes/<k[:2]>/<k>.lock      the episode's lease: flock(LOCK_EX)
+    root/logs/<log id>/owner.lock       held (flock) by the process appending to the log
+    root/logs/<log id>/<seq>.seg        the log's segments (`frames`), oldest first
+    root/archive/<k>.<UTC time>.<reason>.ckpt   archived records (the `codec` file format)
+
+A save is one frame (the whole record, or only its changed top-level fields against the
+episode's previous frame: `fields`) handed to the commit thread, which writes every
+pending frame plus a COMMIT frame with one `write` and makes them durable with one
+`fdatasync`, then wakes every waiter: one fsync per batch, not per boundary. A process
+adopts a log whose owner died (its lock is free) or starts a new one; an adopted log is
+scanned, its torn tail cut off. Several agent processes can share the folder (replicas):
+an episode's lease is the kernel's flock as before, and its record is its highest-version
+write in any log of the folder, so a replica that takes an episode over reads it from the
+other process's log (tailed incrementally) and writes it on in its own. When a log's bytes
+outgrow its live records, the commit thread writes the live records into a new segment
+(COMPACT_BEGIN ... COMPACT_END, then fsync) and only then deletes the old segments: a
+crash at any byte leaves either the old segments or the complete new one.
+
+Records written by `FilesystemEpisodeStore` (root/episodes/*/*.ckpt) are read too, so an
+existing folder keeps its episodes when the store changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TypeVar
+
+from google.protobuf import timestamp_pb2
+from google.protobuf.message import DecodeError
+
+from gymrpc.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument, Unavailable
+from gymrpc.ids import check_id
+from gymrpc.store import codec, fields, frames
+from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore
+from gymrpc.store.commit import CommitStats
+from gymrpc.store.files import REASON, LeaseHeld, _fsync_folder, _lock, _read, _read_header, _sweep, _unlink
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+OWNER = "owner.lock"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _segment_name(seq: int) -> str:
+    return f"{seq:012d}.seg"
+
+
+def _segments(folder: Path) -> list[int]:
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n[:-4]) for n in names if n.endswith(".seg") and n[:-4].isdigit())
+
+
+def _corrupt(where: str, rollout_id: str, problem: str) -> DataLoss:
+    return DataLoss(
+        f"the checkpoint of episode {rollout_id!r} in {where} is corrupt ({problem}); nothing was changed. Move "
+        "the store folder away (or restore it from a backup) to let the episode start over",
+        metadata={"path": where, "rollout_id": rollout_id},
+    )
+
+
+def _record_from(
+    chain: frames.Chain, read: Callable[[int, int, int], bytes], where: str, rollout_id: str
+) -> tuple[EpisodeCheckpoint, fields.Fields]:
+    """The record a chain ends at, and its top-level fields (a delta's base)."""
+    state: fields.Fields | None = None
+    data = b""
+    for segment, offset, length in chain.frames:
+        frame = frames.frame_at(read(segment, offset, length), 0)
+        if frame is None or frame.rollout_id != rollout_id:
+            raise _corrupt(where, rollout_id, f"the frame at {segment}:{offset} no longer reads back")
+        try:
+            if frame.kind == frames.FULL:
+                data, state = frame.payload, None
+            else:
+                crc, delta = frames.decode_delta_payload(frame.payload)
+                state = fields.apply(state if state is not None else fields.split(data), delta)
+                data = fields.join(state)
+                if zlib.crc32(data) != crc:
+                    raise _corrupt(where, rollout_id, f"a delta at {segment}:{offset} does not rebuild its record")
+        except fields.WireError as exc:
+            raise _corrupt(where, rollout_id, str(exc)) from None
+    record = EpisodeCheckpoint()
+    try:
+        record.ParseFromString(data)
+    except DecodeError as exc:
+        raise _corrupt(where, rollout_id, f"the record does not parse: {exc}") from None
+    if record.schema_version != codec.SCHEMA_VERSION:
+        raise _corrupt(where, rollout_id, f"schema_version {record.schema_version}")
+    if record.episode_id.rollout_id != rollout_id or record.revision != chain.revision:
+        raise _corrupt(where, rollout_id, "the frame and the record disagree on episode or revision")
+    return record, state if state is not None else fields.split(data)
+
+
+class LogView:
+    """Another process's log, read-only, tailed incrementally (its owner may still be appending)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.index = frames.LogIndex()
+        self._read_to: dict[int, int] = {}
+
+    def refresh(self) -> None:
+        present = _segments(self.folder)
+        if any(seq not in present for seq in self._read_to):  # compacted meanwhile: read it again
+            self.index, self._read_to = frames.LogIndex(), {}
+        for seq in present:
+            start = self._read_to.get(seq, 0)
+            try:
+                with open(self.folder / _segment_name(seq), "rb") as f:
+                    f.seek(start)
+                    data = f.read()
+            except FileNotFoundError:
+                self.index, self._read_to = frames.LogIndex(), {}
+                return self.refresh()
+            if data:  # from the frame boundary reached so far: an incomplete tail frame is read again next time
+                self._read_to[seq] = self.index.feed(seq, data, start)
+
+    def read(self, segment: int, offset: int, length: int) -> bytes:
+        with open(self.folder / _segment_name(segment), "rb") as f:
+            return os.pread(f.fileno(), length, offset)
+
+
+@dataclass(slots=True)
+class _Append:
+    rollout_id: str
+    kind: int
+    frame: bytes
+    version: int
+    revision: int
+    expires_ns: int
+    size: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    error: BaseException | None = None
+
+
+@dataclass
+class _Source:
+    """Where an episode's current record is, as resolved when its lease was taken."""
+
+    version: int = 0
+    revision: int = 0
+    chain: frames.Chain | None = None
+    view: LogView | None = None
+    """None: this process's own log."""
+    legacy: Path | None = None
+    """A `FilesystemEpisodeStore` record file."""
+    damaged: bool = False
+
+
+class LogLease(EpisodeLease):
+    def __init__(self, store: LogEpisodeStore, rollout_id: str, lock: Path, fd: int, source: _Source) -> None:
+        self.store, self.rollout_id, self.lock, self.source = store, rollout_id, lock, source
+        self._fd: int | None = fd
+        self.base: fields.Fields | None = None
+        """The fields of the stored record when it is the latest frame in this process's log (a delta's base)."""
+        self.deltas = 0
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    async def release(self) -> None:
+        fd, self._fd = self._fd, None
+        self.base = None
+        if fd is not None:
+            await self.store._io(os.close, fd)  # drops the flock; off the event loop (it can take a while)
+
+
+@dataclass
+class LogStats(CommitStats):
+    """CommitStats plus what the log adds."""
+
+    full_frames: int = 0
+    delta_frames: int = 0
+    compactions: int = 0
+
+
+class LogEpisodeStore(EpisodeStore):
+    """Episode records in an append-only, group-committed log per process, on a local (POSIX) filesystem.
+
+    Args:
+        root: folder of the store; created if missing.
+        io_threads: threads for lease files, reads and archives.
+        lease_retry_delay: seconds a refused caller is told to wait (`RetryInfo`).
+        max_batch: most frames committed together.
+        full_every: a FULL frame at least every this many deltas of an episode (bounds a load's reads);
+            0 writes every boundary whole (no field split and diff: less CPU, more bytes).
+        compact_min_bytes: the log is never compacted below this size ...
+        compact_ratio: ... nor while it is below this many times its live records' bytes.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        io_threads: int = 8,
+        lease_retry_delay: float = 1.0,
+        max_batch: int = 4096,
+        full_every: int = 32,
+        compact_min_bytes: int = 64 << 20,
+        compact_ratio: float = 3.0,
+    ) -> None:
+        self.root = Path(root).absolute()
+        self.episodes, self.archive_dir, self.logs = self.root / "episodes", self.root / "archive", self.root / "logs"
+        self.lease_retry_delay, self.max_batch, self.full_every = lease_retry_delay, max_batch, full_every
+        self.compact_min_bytes, self.compact_ratio = compact_min_bytes, compact_ratio
+        self.stats = LogStats()
+        _create_folders(self.root, self.episodes, self.archive_dir, self.logs)
+        self.folder, self._owner_fd = self._adopt_or_create()
+        self.index = frames.LogIndex()
+        self._fds: dict[int, int] = {}
+        self._bytes = self._next_check = 0
+        self._recover()
+        self._views: dict[str, LogView] = {}
+        self._views_lock = threading.Lock()
+        self._segments_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Append | None] = queue.SimpleQueue()
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="store-io")
+        self._thread = threading.Thread(target=self._run, name="store-log", daemon=True)
+        self._thread.start()
+
+    # -- opening -----------------------------------------------------------------------------
+
+    def _adopt_or_create(self) -> tuple[Path, int]:
+        """A log whose owner is gone (its flock is free), else a new one; its owner lock, held."""
+        for name in sorted(os.listdir(self.logs)):
+            folder = self.logs / name
+            try:
+                fd = os.open(folder / OWNER, os.O_RDWR | os.O_CLOEXEC)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            log.info("episode log adopted", extra={"log": str(folder)})
+            return folder, fd
+        folder = self.logs / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        temp = self.logs / f".{folder.name}.new"
+        temp.mkdir()
+        fd = os.open(temp / OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _fsync_folder(temp)
+        os.rename(temp, folder)  # a log folder appears whole, owner lock included
+        _fsync_folder(self.logs)
+        return folder, fd
+
+    def _recover(self) -> None:
+        """Scan this log; cut a torn tail off, drop an unfinished compaction, delete segments it replaced."""
+        seqs = _segments(self.folder)
+        for seq in seqs:
+            data = (self.folder / _segment_name(seq)).read_bytes()
+            end = self.index.feed(seq, data)
+            if seq == seqs[-1] and end < len(data):
+                log.warning(
+                    "episode log: torn tail cut off",
+                    extra={"log": str(self.folder), "segment": seq, "bytes": len(data) - end},
+                )
+                with open(self.folder / _segment_name(seq), "r+b") as f:
+                    f.truncate(end)
+                    os.fsync(f.fileno())
+        if self.index.compaction_segment is not None:
+            unfinished = self.index.compaction_segment
+            self.index.abandon_compaction()
+            _unlink(self.folder / _segment_name(unfinished))
+            _fsync_folder(self.folder)
+            seqs = [s for s in seqs if s != unfinished]
+        live_from = self._compacted_from(seqs)
+        for seq in [s for s in seqs if s < live_from]:
+            _unlink(self.folder / _segment_name(seq))
+        seqs = [s for s in seqs if s >= live_from]
+        if self.index.damage or self.index.damaged:
+            log.error(
+                "episode log: damaged frames found; the episodes they held answer DATA_LOSS",
+                extra={
+                    "log": str(self.folder),
+                    "regions": self.index.damage[:10],
+                    "episodes": list(self.index.damaged)[:10],
+                },
+            )
+        while len(seqs) > 1 and os.path.getsize(self.folder / _segment_name(seqs[-1])) == 0:
+            _unlink(self.folder / _segment_name(seqs.pop()))  # a compaction that died before its first byte
+        if not seqs:
+            seqs = [0]
+        for seq in seqs:
+            self._fds[seq] = os.open(self.folder / _segment_name(seq), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._bytes += os.fstat(self._fds[seq]).st_size
+        self._seq = seqs[-1]
+        _fsync_folder(self.folder)
+
+    def _compacted_from(self, seqs: list[int]) -> int:
+        """The newest segment that begins a finished compaction (everything before it is garbage)."""
+        for seq in reversed(seqs):
+            with open(self.folder / _segment_name(seq), "rb") as f:
+                head = f.read(frames.HEADER_SIZE)
+            frame = frames.frame_at(head, 0)
+            if frame is not None and frame.kind == frames.COMPACT_BEGIN:
+                return seq
+        return seqs[0] if seqs else 0
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _lock_path(self, rollout_id: str) -> tuple[str, Path, Path]:
+        key = hashlib.sha256(check_id(rollout_id, "episode_id.rollout_id").encode()).hexdigest()
+        shard = self.episodes / key[:2]
+        return key, shard / f"{key}.lock", shard / f"{key}.ckpt"
+
+    async def _io(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _read_own(self, segment: int, offset: int, length: int) -> bytes:
+        with self._segments_lock:
+            return os.pread(self._fds[segment], length, offset)  # KeyError: the segment was compacted away
+
+    def _refresh_views(self) -> list[LogView]:
+        with self._views_lock:
+            for name in os.listdir(self.logs):
+                folder = self.logs / name
+                if name.startswith(".") or folder == self.folder or name in self._views:
+                    continue
+                self._views[name] = LogView(folder)
+            for view in self._views.values():
+                view.refresh()
+            return list(self._views.values())
+
+    def _resolve(self, rollout_id: str, legacy: Path) -> _Source:
+        """The newest write of the episode across this log, every other log of the folder and a legacy file."""
+        best = _Source()
+        candidates: list[tuple[frames.LogIndex, LogView | None]] = [(self.index, None)]
+        candidates += [(view.index, view) for view in self._refresh_views()]
+        for index, view in candidates:
+            chains, damaged = index.settled()
+            chain = chains.get(rollout_id)
+            if chain is not None and chain.version > best.version:
+                best = _Source(chain.version, chain.revision, chain, view)
+            lost = damaged.get(rollout_id, 0)
+            if lost > best.version:
+                best = _Source(lost, 0, None, view, damaged=True)
+        try:
+            header = _read_header(legacy)
+        except DataLoss:
+            return best if best.version else _Source(damaged=True, legacy=legacy)
+        if header is not None and header.revision > best.version:
+            best = _Source(header.revision, header.revision, None, None, legacy=legacy)
+        return best
+
+    # -- leases ------------------------------------------------------------------------------
+
+    async def acquire(self, rollout_id: str) -> LogLease:
+        _key, lock, legacy = self._lock_path(rollout_id)
+        try:
+            fd = await self._io(_lock, lock)
+        except LeaseHeld:
+            raise Aborted(
+                f"episode {rollout_id!r} is being run by another call (its lease is held); retry after it finishes",
+                reason="LEASE_HELD",
+                metadata={"rollout_id": rollout_id},
+                retry_delay=self.lease_retry_delay,
+            ) from None
+        try:
+            source = await self._io(self._resolve, rollout_id, legacy)
+        except BaseException:
+            os.close(fd)
+            raise
+        return LogLease(self, rollout_id, lock, fd, source)
+
+    def _check(self, lease: EpisodeLease) -> LogLease:
+        if not isinstance(lease, LogLease) or lease.store is not self or not lease.held:
+            raise FailedPrecondition("the episode lease is not held on this store")
+        return lease
+
+    def _damaged(self, held: LogLease) -> DataLoss:
+        where = str(held.source.view.folder if held.source.view else self.folder)
+        return _corrupt(where, held.rollout_id, f"write {held.source.version} was lost to a damaged log region")
+
+    # -- records -----------------------------------------------------------------------------
+
+    async def load(self, lease: EpisodeLease) -> EpisodeCheckpoint | None:
+        held = self._check(lease)
+        record = await self._io(self._load, held)
+        if record is None:
+            return None
+        expires = codec.expires_at_ns(record)
+        if expires and expires <= time.time_ns():
+            await self._delete(held)
+            log.info("expired episode record deleted", extra={"rollout_id": held.rollout_id})
+            return None
+        return record
+
+    def _load(self, held: LogLease) -> EpisodeCheckpoint | None:
+        source = held.source
+        if source.damaged:
+            raise self._damaged(held)
+        if source.legacy is not None:
+            data = _read(source.legacy)
+            return None if data is None else codec.decode(data, source.legacy, held.rollout_id)
+        if source.chain is None or source.chain.deleted:
+            return None
+        if source.view is None:
+            try:
+                record, base = _record_from(source.chain, self._read_own, str(self.folder), held.rollout_id)
+            except (KeyError, DataLoss):  # compacted since the lease resolved it: its frames moved
+                fresh = self.index.chains.get(held.rollout_id)
+                if fresh is None or fresh.version != source.version:
+                    raise
+                held.source = _Source(source.version, source.revision, fresh)
+                record, base = _record_from(fresh, self._read_own, str(self.folder), held.rollout_id)
+            held.base, held.deltas = (base if self.full_every else None), len(source.chain.frames) - 1
+            return record
+        view = source.view
+        try:
+            return _record_from(source.chain, view.read, str(view.folder), held.rollout_id)[0]
+        except (FileNotFoundError, DataLoss):
+            held.source = self._resolve(held.rollout_id, source.legacy or self._lock_path(held.rollout_id)[2])
+            if held.source.view is not view or held.source.chain is None:
+                return self._load(held)
+            return _record_from(held.source.chain, view.read, str(view.folder), held.rollout_id)[0]
+
+    async def save(self, lease: EpisodeLease, record: EpisodeCheckpoint) -> None:
+        held = self._check(lease)
+        if record.episode_id.rollout_id != held.rollout_id:
+            raise InvalidArgument(
+                f"a record of {record.episode_id.rollout_id!r} cannot be saved under the lease of {held.rollout_id!r}"
+            )
+        if held.source.damaged:
+            raise self._damaged(held)
+        expected, stored = record.revision, held.source.revision
+        if held.source.chain is not None and held.source.chain.deleted:
+            stored = 0
+        if stored != expected:
+            raise Aborted(
+                f"episode {held.rollout_id!r} was saved by someone else: stored revision {stored}, this save "
+                f"replaces revision {expected}; nothing was written",
+                reason="CHECKPOINT_CONFLICT",
+                metadata={
+                    "rollout_id": held.rollout_id,
+                    "stored_revision": str(stored),
+                    "expected_revision": str(expected),
+                },
+            )
+        updated = timestamp_pb2.Timestamp()
+        updated.CopyFrom(record.updated_at)
+        record.revision = expected + 1
+        record.updated_at.FromNanoseconds(time.time_ns())
+        try:
+            data = record.SerializeToString(deterministic=True)
+            state = fields.split(data) if self.full_every else None
+            version, expires = held.source.version + 1, codec.expires_at_ns(record)
+            kind, payload = frames.FULL, data
+            if state is not None and held.base is not None and held.deltas < self.full_every:
+                delta = fields.diff(held.base, state)
+                if len(delta) + 4 < len(data) * 3 // 4:  # else a FULL frame: fewer reads at load, little more
+                    kind, payload = frames.DELTA, frames.encode_delta_payload(zlib.crc32(data), delta)
+            frame = frames.encode(
+                kind, held.rollout_id, payload, version=version, revision=record.revision, expires_ns=expires
+            )
+            await self._append(held.rollout_id, kind, frame, version, record.revision, expires, len(data))
+        except BaseException:
+            record.revision = expected
+            record.updated_at.CopyFrom(updated)
+            raise
+        held.deltas = held.deltas + 1 if kind == frames.DELTA else 0
+        held.base = state
+        held.source = _Source(version, record.revision, self.index.chains.get(held.rollout_id))
+
+    async def _delete(self, held: LogLease) -> None:
+        """A tombstone newer than every write of the episode (a legacy file is unlinked as well)."""
+        version = held.source.version + 1
+        frame = frames.encode(frames.TOMBSTONE, held.rollout_id, version=version)
+        await self._append(held.rollout_id, frames.TOMBSTONE, frame, version, 0, 0, 0)
+        if held.source.legacy is not None:
+            await self._io(_unlink, held.source.legacy)
+        held.source, held.base = _Source(version, 0, self.index.chains.get(held.rollout_id)), None
+
+    async def archive(self, lease: EpisodeLease, reason: str) -> str | None:
+        held = self._check(lease)
+        if not REASON.fullmatch(reason):
+            raise InvalidArgument(f"archive reason {reason!r} must match {REASON.pattern}")
+        record = await self._io(self._load, held)
+        if record is None:
+            return None
+        key = self._lock_path(held.rollout_id)[0]
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        target = self.archive_dir / f"{key}.{stamp}.{reason}.ckpt"
+        await self._io(_write_new_file, target, codec.encode(record))
+        log.info("episode record archived", extra={"rollout_id": held.rollout_id, "reason": reason})
+        return str(target)
+
+    async def delete_expired(self, now: float | None = None) -> int:
+        cutoff = time.time_ns() if now is None else int(now * 1e9)
+        expired = [
+            rid
+            for rid, c in list(self.index.chains.items())
+            if not c.deleted and c.expires_ns and c.expires_ns <= cutoff
+        ]
+        deleted = 0
+        for rollout_id in expired:
+            try:
+                lease = await self.acquire(rollout_id)
+            except Aborted:
+                continue  # in use: its holder decides
+            try:
+                source = lease.source
+                if source.view is not None or source.chain is None or source.chain.deleted or source.damaged:
+                    continue  # written elsewhere since (or damaged): not this log's to expire
+                if source.chain.expires_ns and source.chain.expires_ns <= cutoff:
+                    await self._delete(lease)
+                    deleted += 1
+            finally:
+                await lease.release()
+        legacy = await asyncio.gather(*(self._io(_sweep, self.episodes / f"{i:02x}", cutoff) for i in range(256)))
+        return deleted + sum(legacy)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._pool.shutdown(wait=False)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        os.close(self._owner_fd)
+
+    # -- the commit thread -------------------------------------------------------------------
+
+    async def _append(
+        self, rollout_id: str, kind: int, frame: bytes, version: int, revision: int, expires: int, size: int
+    ) -> None:
+        if self._closed:
+            raise RuntimeError("the store is closed")
+        if self._broken is not None:
+            raise self._unavailable()
+        loop = asyncio.get_running_loop()
+        item = _Append(rollout_id, kind, frame, version, revision, expires, size, loop, loop.create_future())
+        self._queue.put(item)
+        await item.future
+
+    def _unavailable(self) -> Unavailable:
+        return Unavailable(
+            f"the episode log {self.folder} failed a write ({self._broken}); its durability is unknown, so this "
+            "agent saves nothing more: restart it (the log is recovered on start)",
+            metadata={"path": str(self.folder)},
+        )
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < self.max_batch:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            self._commit(batch)
+            if not stop and self._broken is None and self._should_compact():
+                try:
+                    self._compact()
+                except Exception as exc:
+                    log.exception("episode log compaction failed; the old segments are kept")
+                    self.stats.failures += 1
+                    del exc
+
+    def _commit(self, batch: list[_Append]) -> None:
+        error: BaseException | None = self._unavailable() if self._broken is not None else None
+        if error is None:
+            seq, fd = self._seq, self._fds[self._seq]
+            commit = frames.encode_commit([(a.rollout_id, a.version) for a in batch])
+            data = b"".join(a.frame for a in batch) + commit
+            try:
+                start = os.lseek(fd, 0, os.SEEK_END)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fdatasync(fd)
+            except OSError as exc:
+                self._broken = error = exc
+                log.error("episode log write failed; no more saves", extra={"log": str(self.folder), "error": str(exc)})
+            else:
+                self.stats.batches += 1
+                self.stats.fsyncs += 1
+                self.stats.writes += len(batch)
+                self.stats.bytes += len(data)
+                self._bytes += len(data)
+                offset = start
+                for a in batch:
+                    parsed = frames.Frame(
+                        a.kind, a.rollout_id, a.version, a.revision, a.expires_ns, offset, len(a.frame), b""
+                    )
+                    self.index.apply(seq, parsed, a.size)
+                    offset += len(a.frame)
+                    if a.kind == frames.FULL:
+                        self.stats.full_frames += 1
+                    elif a.kind == frames.DELTA:
+                        self.stats.delta_frames += 1
+                self.index.apply(seq, frames.Frame(frames.COMMIT, "", 0, 0, 0, offset, len(commit), b""))
+        if error is not None:
+            self.stats.failures += len(batch)
+            for a in batch:
+                a.error = error
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Append]] = {}
+        for a in batch:
+            by_loop.setdefault(a.loop, []).append(a)
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, items)
+
+    def _live_bytes(self) -> int:
+        return sum(c.size + frames.HEADER_SIZE for c in self.index.chains.values() if not c.deleted)
+
+    def _should_compact(self) -> bool:
+        """Checked after every batch; the live bytes are summed only each time the log grew by a tenth."""
+        if self._bytes < max(self.compact_min_bytes, self._next_check):
+            return False
+        if self._bytes >= self.compact_ratio * self._live_bytes():
+            return True
+        self._next_check = int(self._bytes * 1.1)
+        return False
+
+    def _compact(self) -> None:
+        """Write the live records into a new segment; delete the old ones once it is durable."""
+        seq = self._seq + 1
+        path = self.folder / _segment_name(seq)
+        others = self._refresh_views()
+        newest_elsewhere: dict[str, int] = {}
+        for view in others:
+            for rid, chain in view.index.settled()[0].items():
+                newest_elsewhere[rid] = max(chain.version, newest_elsewhere.get(rid, 0))
+        chunks = [frames.encode(frames.COMPACT_BEGIN, version=seq)]
+        index = frames.LogIndex()
+        index.apply(seq, frames.Frame(frames.COMPACT_BEGIN, "", seq, 0, 0, 0, len(chunks[0]), b""))
+        offset = len(chunks[0])
+        chains, damaged = self.index.chains, self.index.damaged
+        for rid, chain in list(chains.items()):
+            elsewhere = newest_elsewhere.get(rid, 0)
+            if elsewhere > chain.version:
+                continue  # taken over by another process: its log has the record
+            if chain.deleted:
+                if not elsewhere and not (self._lock_path(rid)[2]).exists():
+                    continue  # nothing older anywhere for the tombstone to hide
+                frame = frames.encode(frames.TOMBSTONE, rid, version=chain.version)
+                kind, size = frames.TOMBSTONE, 0
+            else:
+                try:
+                    _, state = _record_from(chain, self._read_own, str(self.folder), rid)
+                except DataLoss:
+                    damaged[rid] = chain.version
+                    continue
+                data = fields.join(state)  # the very bytes saved (a delta written since builds on them)
+                frame = frames.encode(
+                    frames.FULL, rid, data, version=chain.version, revision=chain.revision, expires_ns=chain.expires_ns
+                )
+                kind, size = frames.FULL, len(data)
+            written = frames.Frame(kind, rid, chain.version, chain.revision, chain.expires_ns, offset, len(frame), b"")
+            index.apply(seq, written, size)
+            chunks.append(frame)
+            offset += len(frame)
+        for rid, version in damaged.items():
+            frame = frames.encode(frames.DAMAGED, rid, version=version)
+            index.apply(seq, frames.Frame(frames.DAMAGED, rid, version, 0, 0, offset, len(frame), b""))
+            chunks.append(frame)
+            offset += len(frame)
+        end = frames.encode(frames.COMPACT_END, version=seq)
+        chunks.append(end)
+        index.apply(seq, frames.Frame(frames.COMPACT_END, "", seq, 0, 0, offset, len(end), b""))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            data = b"".join(chunks)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fdatasync(fd)
+            _fsync_folder(self.folder)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        with self._segments_lock:
+            old = self._fds
+            self._fds, self._seq, self.index = {seq: fd}, seq, index
+            self._bytes = len(data)
+        for old_seq, old_fd in old.items():
+            os.close(old_fd)
+            _unlink(self.folder / _segment_name(old_seq))
+        _fsync_folder(self.folder)
+        self.stats.compactions += 1
+        self.stats.fsyncs += 3
+        log.info("episode log compacted", extra={"log": str(self.folder), "bytes": len(data), "segment": seq})
+
+
+def _settle(items: list[_Append]) -> None:
+    for a in items:
+        if a.future.done():
+            continue
+        if a.error is None:
+            a.future.set_result(None)
+        else:
+            a.future.set_exception(a.error)
+
+
+def _create_folders(root: Path, episodes: Path, *others: Path) -> None:
+    created = False
+    for folder in (root, episodes, *others):
+        if not folder.is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
+            created = True
+    for i in range(256):
+        shard = episodes / f"{i:02x}"
+        if not shard.is_dir():
+            shard.mkdir(exist_ok=True)
+            created = True
+    if created:
+        for folder in (episodes, root, root.parent):
+            _fsync_folder(folder)
+
+
+def _write_new_file(target: Path, data: bytes) -> None:
+    """Durably create `target` (which must not exist) with `data`: temp, fsync, link, fsync the folder."""
+    temp = target.with_name(f".{target.name}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(temp, target)  # refuses an existing name
+    finally:
+        _unlink(temp)
+    _fsync_folder(target.parent)
