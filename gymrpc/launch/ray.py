@@ -268,7 +268,9 @@ class RayLauncher:
                 log_dir=self.spec.ray.log_dir,
                 markers={folder: marker.proof for folder, marker in self._markers.items()},
             )
-            registry_spec = ServerSpec(name=REGISTRY_NAME, role="registry", num_cpus=0)
+            registry_spec = ServerSpec(
+                name=REGISTRY_NAME, role="registry", num_cpus=0, args={"metrics_port": 0} if self.spec.metrics else {}
+            )
             here = ray.get_runtime_context().get_node_id()
             await self._start_hosts(ray, [(registry_spec, "0", self._strategy(ray, here), REGISTRY_ACTOR)], config)
             rundir.write_text_atomic(self.run_dir / rundir.REGISTRY_FILE, self.registry_address + "\n")

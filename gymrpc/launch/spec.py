@@ -111,6 +111,9 @@ class StackSpec:
     restart: RestartPolicy = RestartPolicy()
     launcher: str = "local"
     ray: RayOptions = RayOptions()
+    metrics: bool = False
+    """Every server (the registry too) serves Prometheus metrics on a free HTTP port, registered as its
+    `metrics` label."""
 
 
 DEFAULT_STACK = """
@@ -155,7 +158,7 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
     """Validate a parsed config; every problem names its key."""
     if not isinstance(data, Mapping):
         raise _fail(where, "top level must be a mapping")
-    known = {"servers", "registry", "lease_ttl", "grace", "restart", "launcher", "ray"}
+    known = {"servers", "registry", "lease_ttl", "grace", "restart", "launcher", "ray", "metrics"}
     if unknown := set(data) - known:
         raise _fail(where, f"unknown keys {sorted(unknown)} (known: {sorted(known)})")
     servers = []
@@ -195,7 +198,13 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
     launcher = str(data.get("launcher", "local"))
     if launcher not in LAUNCHERS:
         raise _fail(where, f"launcher {launcher!r} is not available (only {', '.join(map(repr, LAUNCHERS))})")
+    metrics = data.get("metrics", False)
+    if not isinstance(metrics, bool):
+        raise _fail(where, f"metrics must be true or false, got {metrics!r}")
+    if metrics:
+        servers = [dataclasses.replace(s, args={"metrics_port": 0, **s.args}) for s in servers]
     return StackSpec(
+        metrics=metrics,
         servers=tuple(servers),
         registry_bind=str(registry.get("bind", "unix")),
         lease_ttl=float(data.get("lease_ttl", 10.0)),
