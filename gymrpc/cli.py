@@ -195,6 +195,12 @@ def cmd_call(args: argparse.Namespace) -> int:
     return call.run(args, _run_dir(args))
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from gymrpc import top
+
+    return top.run(args, _run_dir(args))
+
+
 def cmd_ctl(args: argparse.Namespace) -> int:
     from gymrpc import ctl
 
@@ -248,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--run-dir", default=argparse.SUPPRESS)
     add_ctl_arguments(ctl)
     ctl.set_defaults(func=cmd_ctl)
+    from gymrpc.top import add_arguments as add_top_arguments
+
+    top = sub.add_parser("top", help="live view of a running stack from its metrics (`metrics: true`)")
+    top.add_argument("--run-dir", default=argparse.SUPPRESS)
+    add_top_arguments(top)
+    top.set_defaults(func=cmd_top)
     return parser
 
 

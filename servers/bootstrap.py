@@ -38,6 +38,7 @@ from gymrpc.rundir import write_text_atomic
 from gymrpc.tls import TlsFiles, is_loopback_bind
 from servers.credentials import DataPlaneCredentials
 from servers.guard import DEFAULT_MAX_INFLIGHT_CALLS, Admission, guard_servicer
+from servers.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class ServerConfig:
     data_plane_credentials: bool = True
     """With a token, data-plane calls need the stack token or an admitted role token
     (`servers.credentials`); False opens the data plane (benchmarks)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics over HTTP on this port of the bind host (0: a free one); None: off."""
 
 
 class RunningServer:
@@ -98,12 +101,16 @@ class RunningServer:
         grace: float,
         lock_fd: int | None,
         admission: Admission | None = None,
+        metrics: ServerMetrics | None = None,
+        metrics_url: str | None = None,
     ) -> None:
         self.server, self.address, self.health = server, address, health_servicer
         self._lease, self._registry, self._grace, self._lock_fd = lease, registry, grace, lock_fd
         self._stopped: asyncio.Task[None] | None = None
         self.admission = admission
         """The server's in-flight call count and limit."""
+        self.metrics, self.metrics_url = metrics, metrics_url
+        """Its metrics and where they are served (None when off)."""
 
     async def stop(self, grace: float | None = None) -> None:
         if self._stopped is None:
@@ -120,6 +127,8 @@ class RunningServer:
             await self._registry.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
+        if self.metrics is not None:
+            self.metrics.close()
         log.info("stopped", extra={"address": self.address})
 
 
@@ -180,9 +189,15 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     admission = Admission(config.max_inflight_calls)
+    metrics = None if config.metrics_port is None else ServerMetrics(config.name)
     for b in bindings:
         guarded = guard_servicer(
-            b.servicer, b.descriptor, token=config.token, control_methods=b.control_methods, admission=admission
+            b.servicer,
+            b.descriptor,
+            token=config.token,
+            control_methods=b.control_methods,
+            admission=admission,
+            metrics=metrics,
         )
         b.add_to_server(guarded, server)
     names = [b.descriptor.full_name for b in bindings]
@@ -190,6 +205,11 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     address, lock_fd = _bind(server, config.bind, config.tls)
+    labels = dict(config.labels)
+    metrics_url = None
+    if metrics is not None and config.metrics_port is not None:
+        metrics_url = metrics.serve(_metrics_host(address), config.metrics_port)
+        labels["metrics"] = metrics_url  # clients and `gymrpc top` find the metrics next to the address
     await server.start()
     for service in ("", *names):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -202,13 +222,24 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
             address,
             endpoint_id=config.endpoint_id,
             ttl=config.lease_ttl,
-            labels=config.labels,
+            labels=labels,
         )
         await lease.start()
     if config.ready_file is not None:
-        write_text_atomic(config.ready_file, json.dumps({"address": address, "pid": os.getpid(), "name": config.name}))
-    log.info("serving", extra={"service": config.name, "address": address, "services": ",".join(names)})
-    return RunningServer(server, address, health_servicer, lease, registry, config.grace, lock_fd, admission)
+        ready = {"address": address, "pid": os.getpid(), "name": config.name}
+        if metrics_url is not None:
+            ready["metrics"] = metrics_url
+        write_text_atomic(config.ready_file, json.dumps(ready))
+    served = {"service": config.name, "address": address, "services": ",".join(names), "metrics": metrics_url or "off"}
+    log.info("serving", extra=served)
+    return RunningServer(
+        server, address, health_servicer, lease, registry, config.grace, lock_fd, admission, metrics, metrics_url
+    )
+
+
+def _metrics_host(address: str) -> str:
+    """Metrics listen on the host the gRPC server advertises; a unix-socket server uses loopback."""
+    return "127.0.0.1" if address.startswith("unix:") else address.rpartition(":")[0].strip("[]")
 
 
 async def serve(
@@ -284,6 +315,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_name: str) 
         dest="data_plane_credentials",
         action="store_false",
         help="let data-plane calls in without a token (benchmarks only; docs/security.md)",
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this HTTP port of the bind host (0: a free port; default: off)",
     )
     parser.add_argument("--log-level", default=None)
 
@@ -303,6 +339,7 @@ def config_from_arguments(args: argparse.Namespace) -> ServerConfig:
         tls=tls_from_arguments(args),
         insecure=args.insecure,
         data_plane_credentials=args.data_plane_credentials,
+        metrics_port=args.metrics_port,
     )
 
 

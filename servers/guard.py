@@ -7,6 +7,7 @@ interceptor of `servers.credentials` (its cost, about nothing, is in bench/READM
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -16,9 +17,11 @@ from typing import Any
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
+from google.rpc import error_details_pb2, status_pb2
 
 from gymrpc import auth
 from gymrpc.errors import GymrpcError, Internal, ResourceExhausted, Unauthenticated
+from servers.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +67,12 @@ def guard_servicer(
     token: str | None,
     control_methods: Iterable[str] = (),
     admission: Admission | None = None,
+    metrics: ServerMetrics | None = None,
 ) -> object:
     """Return an object with the servicer's RPC methods wrapped; `control_methods` need `token`.
 
     Every method shares `admission` (one per server; default: its own with the default limit).
+    With `metrics`, every call is counted and timed; without, the call path has no metrics code at all.
     """
     admission = admission or Admission()
     control = set(control_methods)
@@ -80,7 +85,10 @@ def guard_servicer(
         needs_token = token if method.name in control else None
         full = f"/{service.full_name}/{method.name}"
         wrapper = _wrap_stream if method.server_streaming else _wrap_unary
-        setattr(guarded, method.name, wrapper(impl, full, needs_token, admission))
+        wrapped = wrapper(impl, full, needs_token, admission)
+        if metrics is not None:
+            wrapped = (_measure_stream if method.server_streaming else _measure_unary)(wrapped, full, metrics)
+        setattr(guarded, method.name, wrapped)
     return guarded
 
 
@@ -161,3 +169,59 @@ def _wrap_stream(impl: Callable[..., Any], method: str, token: str | None, admis
             admission.inflight -= 1
 
     return call
+
+
+def _outcome(exc: BaseException | None, context: grpc.aio.ServicerContext) -> tuple[grpc.StatusCode, str]:
+    """The status a call ended with, and its ErrorReason when it failed (read back from the aborted context)."""
+    if exc is None:
+        return grpc.StatusCode.OK, ""
+    code = context.code() if isinstance(exc, grpc.aio.AbortError) else None
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else grpc.StatusCode.UNKNOWN
+    return code, _reason_of(context)
+
+
+def _reason_of(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            details = status_pb2.Status.FromString(value)
+            for detail in details.details:
+                if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                    info = error_details_pb2.ErrorInfo()
+                    detail.Unpack(info)
+                    return info.reason
+    return ""
+
+
+def _measure_unary(call: Callable[..., Any], method: str, metrics: ServerMetrics) -> Callable[..., Any]:
+    @functools.wraps(call)
+    async def measured(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started, failure = metrics.started(method), None
+        try:
+            response = await call(request, context)
+            metrics.reply(method, request, response)
+            return response
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            metrics.finished(method, started, *_outcome(failure, context))
+
+    return measured
+
+
+def _measure_stream(call: Callable[..., Any], method: str, metrics: ServerMetrics) -> Callable[..., Any]:
+    @functools.wraps(call)
+    async def measured(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        started, failure = metrics.started(method), None
+        try:
+            async for item in call(request, context):
+                metrics.reply(method, request, item)
+                yield item
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            metrics.finished(method, started, *_outcome(failure, context))
+
+    return measured

@@ -276,7 +276,12 @@ class LocalLauncher:
         self.registry_address = (
             f"unix:{rundir.registry_socket(self.run_dir)}" if spec.registry_bind == "unix" else spec.registry_bind
         )
-        self._registry_spec = ServerSpec(name=REGISTRY_NAME, role="registry", bind=self.registry_address)
+        self._registry_spec = ServerSpec(
+            name=REGISTRY_NAME,
+            role="registry",
+            bind=self.registry_address,
+            args={"metrics_port": 0} if spec.metrics else {},
+        )
         self._servers: dict[str, ServerProcess] = {}
         self._stopping = False
         self._registry_client: RegistryClient | None = None

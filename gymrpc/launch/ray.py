@@ -299,7 +299,9 @@ class RayLauncher:
             labels = [REGISTRY_NAME, *(s.name for s in self.spec.servers)]
             node_ips = [str(n["NodeManagerAddress"]) for n in _alive_nodes(ray)]
             self._tls = stack_tls(self.spec, self.run_dir, labels, [f"{ip}:0" for ip in node_ips])
-            registry_spec = ServerSpec(name=REGISTRY_NAME, role="registry", num_cpus=0)
+            registry_spec = ServerSpec(
+                name=REGISTRY_NAME, role="registry", num_cpus=0, args={"metrics_port": 0} if self.spec.metrics else {}
+            )
             here = ray.get_runtime_context().get_node_id()
             await self._start_hosts(ray, [(registry_spec, "0", self._strategy(ray, here), REGISTRY_ACTOR)], config)
             rundir.write_text_atomic(self.run_dir / rundir.REGISTRY_FILE, self.registry_address + "\n")

@@ -135,6 +135,9 @@ class StackSpec:
     """None: plaintext, allowed on loopback and unix sockets only (unless `insecure`)."""
     insecure: bool = False
     """Let servers serve plaintext on non-loopback addresses (`--insecure`; docs/security.md)."""
+    metrics: bool = False
+    """Every server (the registry too) serves Prometheus metrics on a free HTTP port, registered as its
+    `metrics` label."""
 
 
 DEFAULT_STACK = """
@@ -179,7 +182,7 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
     """Validate a parsed config; every problem names its key."""
     if not isinstance(data, Mapping):
         raise _fail(where, "top level must be a mapping")
-    known = {"servers", "registry", "lease_ttl", "grace", "restart", "launcher", "ray", "tls", "insecure"}
+    known = {"servers", "registry", "lease_ttl", "grace", "restart", "launcher", "ray", "tls", "insecure", "metrics"}
     if unknown := set(data) - known:
         raise _fail(where, f"unknown keys {sorted(unknown)} (known: {sorted(known)})")
     servers = []
@@ -219,7 +222,13 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
     launcher = str(data.get("launcher", "local"))
     if launcher not in LAUNCHERS:
         raise _fail(where, f"launcher {launcher!r} is not available (only {', '.join(map(repr, LAUNCHERS))})")
+    metrics = data.get("metrics", False)
+    if not isinstance(metrics, bool):
+        raise _fail(where, f"metrics must be true or false, got {metrics!r}")
+    if metrics:
+        servers = [dataclasses.replace(s, args={"metrics_port": 0, **s.args}) for s in servers]
     return StackSpec(
+        metrics=metrics,
         servers=tuple(servers),
         registry_bind=str(registry.get("bind", "unix")),
         lease_ttl=float(data.get("lease_ttl", 10.0)),
