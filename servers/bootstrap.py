@@ -315,6 +315,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_name: str) 
         dest="data_plane_credentials",
         action="store_false",
         help="let data-plane calls in without a token (benchmarks only; docs/security.md)",
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
