@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from gymrpc import auth
 from gymrpc.client import Client
 from gymrpc.ids import check_service_name
 from gymrpc.v1 import agent_service_pb2 as pb
@@ -45,10 +46,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
 
     async def main_async() -> None:
-        client: Any = Client(registry=config.registry, token=config.token)
+        # Resources and model get the agent's role token, never the stack token (docs/security.md).
+        agent_token = auth.role_token(config.token, "agent") if config.token else None
+        client: Any = Client(registry=config.registry, token=agent_token, tls=config.tls)
         servicer = AgentKitServicer(
             function,
             client,
+            api_key=agent_token or "gymrpc",
             resources_name=args.resources,
             model_name=args.model,
             call_timeout=args.call_timeout,

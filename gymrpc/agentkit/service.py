@@ -162,8 +162,10 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
         call_timeout: float = 300.0,
         divergence: str = "fail",
         crash: Any = None,
+        api_key: str = "gymrpc",
     ) -> None:
-        self.function, self.client = function, client
+        self.function, self.client, self.api_key = function, client, api_key
+        """`api_key`: the credential the model's front door checks (the agent's role token)."""
         self.resources = client.resources(resources_name)
         self.resources_name, self.model_name = resources_name, model_name
         self.call_timeout, self.divergence, self.crash = call_timeout, divergence, crash
@@ -259,7 +261,7 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
         transport = _Observed(httpx.AsyncHTTPTransport(socket_options=nodelay), run.on_reply, run.before_call)
         http = httpx.AsyncClient(transport=transport, timeout=self.call_timeout)
         client = openai.AsyncOpenAI(
-            base_url=await self.front_door(episode), api_key="gymrpc", default_headers=headers, http_client=http
+            base_url=await self.front_door(episode), api_key=self.api_key, default_headers=headers, http_client=http
         )
         context = Episode(
             episode_id=episode,

@@ -158,7 +158,7 @@ def main() -> None:
         if wants_participant(args, config):
             plane, control = start_plane(ModelParticipant(servicer), config.name, args)
             bindings.append(control)
-        front_door, serving = await start_openai(args, servicer, config.name), config
+        front_door, serving = await start_openai(args, servicer, config.name, config.token), config
         if front_door is not None:  # clients find the front door by the model's stable name
             serving = dataclasses.replace(config, labels={**config.labels, OPENAI_LABEL: front_door.url})
 

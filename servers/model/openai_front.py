@@ -28,14 +28,21 @@ def add_openai_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--replay-dir", type=Path, help="keep the replay record of every episode here (durable)")
 
 
-async def start_openai(args: argparse.Namespace, servicer: ModelServicer, name: str) -> OpenAIFrontDoor | None:
+async def start_openai(
+    args: argparse.Namespace, servicer: ModelServicer, name: str, token: str | None = None
+) -> OpenAIFrontDoor | None:
+    """Start the front door when `--openai-port` is set; with a stack `token` it checks credentials."""
     if args.openai_port is None:
         return None
+    from servers.credentials import DataPlaneCredentials
     from servers.model.openai_http import OpenAIFrontDoor
     from servers.model.replay import ReplayRecord
 
     front_door = OpenAIFrontDoor(
-        servicer, model_name=args.openai_model_name or name, replay=ReplayRecord(args.replay_dir)
+        servicer,
+        model_name=args.openai_model_name or name,
+        replay=ReplayRecord(args.replay_dir),
+        credentials=DataPlaneCredentials(token) if token else None,
     )
     servicer.replay = front_door.replay  # type: ignore[attr-defined]  # freed on retire/forget
     await front_door.start(args.openai_host, args.openai_port)

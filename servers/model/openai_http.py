@@ -35,6 +35,7 @@ from gymrpc.errors import GymrpcError, InvalidArgument
 from gymrpc.ids import check_id
 from gymrpc.messages import message_to_dict
 from gymrpc.v1 import model_service_pb2 as pb
+from servers.credentials import DataPlaneCredentials
 from servers.model import openai_shapes as shapes
 from servers.model.replay import FAIL, GO_LIVE, ReplayRecord
 from servers.model.service import ModelServicer
@@ -46,6 +47,8 @@ EPISODE_HEADER = "x-gymrpc-episode"
 RUN_HEADER = "x-gymrpc-run"
 DIVERGENCE_HEADER = "x-gymrpc-divergence"
 METADATA_EPISODE = "gymrpc_episode"
+GENERATE_METHOD = "/gymrpc.v1.ModelService/Generate"
+"""The front door admits whoever may call this over gRPC."""
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -97,14 +100,18 @@ class OpenAIFrontDoor:
         model_name: str,
         replay: ReplayRecord | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        credentials: DataPlaneCredentials | None = None,
     ) -> None:
         self.servicer = servicer
+        self.credentials = credentials
+        """With a stack token: every route needs `Authorization: Bearer` with the stack or an agent token,
+        as `ModelService` does over gRPC (the openai SDK sends its `api_key` so)."""
         self.model_name = model_name
         self.replay = replay or ReplayRecord()
         self.stats = {"generated": 0, "replayed": 0}
         self.episode_stats: OrderedDict[EpisodeKey, dict[str, int]] = OrderedDict()
         """Per episode attempt (LRU): calls generated and calls answered from the record."""
-        self.app = web.Application(client_max_size=max_body_bytes)
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._authenticate])
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_post("/v1/chat/completions", self._guarded(self._chat))
         self.app.router.add_post("/v1/responses", self._guarded(self._responses))
@@ -129,6 +136,14 @@ class OpenAIFrontDoor:
             self._runner = None
 
     # -- plumbing --------------------------------------------------------------------------
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.credentials is not None:
+            refusal = self.credentials.refusal(GENERATE_METHOD, request.headers.get("Authorization"))
+            if refusal is not None:
+                return error_response(refusal)
+        return await handler(request)
 
     def _guarded(self, handler: Callable[[web.Request, Any], Awaitable[web.StreamResponse]]) -> Any:
         async def run(request: web.Request) -> web.StreamResponse:

@@ -21,6 +21,8 @@ import grpc
 import httpx
 import pytest
 
+from gymrpc import auth
+from gymrpc.channels import bearer_interceptors
 from gymrpc.client import Client
 from gymrpc.errors import FailedPrecondition
 from gymrpc.v1 import agent_service_pb2 as agent_pb
@@ -75,7 +77,7 @@ def outcome(t: agent_pb.Trajectory) -> dict[str, Any]:
 
 async def episode_stats(client: Client, rollout_id: str) -> dict[str, int]:
     (endpoint,) = await client.registry.resolve("model/policy")
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=dict(client._metadata)) as http:  # with the stack token
         reply = await http.get(
             f"{endpoint.labels['openai_url'][:-3]}/gymrpc/stats", params={"episode": f"{rollout_id}/0"}
         )
@@ -168,7 +170,8 @@ def test_the_model_server_killed_mid_episode_still_answers_from_its_record(start
         """A plain channel, not `gymrpc.Client` (which would follow the restarted agent and finish the run)."""
         async with Client(run_dir=run_dir) as client:
             address = await client.resolve("agent/kit")
-        async with grpc.aio.insecure_channel(address) as channel:
+        token = auth.read_token_file(run_dir / "token")
+        async with grpc.aio.insecure_channel(address, interceptors=bearer_interceptors(token)) as channel:
             request = agent_pb.RunRequest(task=t, episode_id={"rollout_id": "mk"}, policy_version="p")
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await agent_grpc.AgentServiceStub(channel).Run(request, timeout=120)

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from gymrpc import auth
 from gymrpc.client import Client
 from gymrpc.control import EpisodeKey
 from gymrpc.controller import Controller
@@ -54,17 +55,21 @@ async def _generate(run_dir: Path, messages: list[common_pb2.Message]) -> pb.Gen
         return await client.model("model/policy").Generate(request, timeout=30)
 
 
+FrontDoor = tuple[Path, str, str]
+
+
 @pytest.fixture
-def front_door(start_stack: Any) -> tuple[Path, str]:
+def front_door(start_stack: Any) -> tuple[Path, str, str]:
+    """(run folder, front door URL, the stack token: the front door checks credentials as gRPC does)."""
     stack = start_stack(_config())
-    return stack.run_dir, asyncio.run(_base_url(stack.run_dir))
+    return stack.run_dir, asyncio.run(_base_url(stack.run_dir)), auth.read_token_file(stack.run_dir / "token")
 
 
-def test_chat_with_tools_returns_parsed_calls_and_the_token_ids_generate_gives(front_door: tuple[Path, str]) -> None:
-    run_dir, url = front_door
+def test_chat_with_tools_returns_parsed_calls_and_the_token_ids_generate_gives(front_door: FrontDoor) -> None:
+    run_dir, url, key = front_door
 
     async def scenario() -> None:
-        async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        async with openai.AsyncOpenAI(base_url=url, api_key=key) as client:
             models = await client.models.list()
             assert [m.id for m in models.data] == ["model/policy"]
             reply = await client.chat.completions.create(model="model/policy", messages=[USER], tools=TOOLS)
@@ -98,8 +103,8 @@ def test_chat_with_tools_returns_parsed_calls_and_the_token_ids_generate_gives(f
     asyncio.run(scenario())
 
 
-def test_streaming_and_logprobs(front_door: tuple[Path, str]) -> None:
-    _run_dir, url = front_door
+def test_streaming_and_logprobs(front_door: FrontDoor) -> None:
+    _run_dir, url, key = front_door
     calls = [("increment_counter", '{"count": 1}'), ("increment_counter", '{"count": 2}'), ("get_counter_value", "{}")]
     conversation: list[Any] = [
         USER,
@@ -115,7 +120,7 @@ def test_streaming_and_logprobs(front_door: tuple[Path, str]) -> None:
     ]
 
     async def scenario() -> None:
-        async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        async with openai.AsyncOpenAI(base_url=url, api_key=key) as client:
             plain = await client.chat.completions.create(
                 model="m", messages=conversation, logprobs=True, top_logprobs=2
             )
@@ -153,11 +158,11 @@ def test_streaming_and_logprobs(front_door: tuple[Path, str]) -> None:
     asyncio.run(scenario())
 
 
-def test_bad_requests_get_openai_error_bodies_and_are_not_retried(front_door: tuple[Path, str]) -> None:
-    _, url = front_door
+def test_bad_requests_get_openai_error_bodies_and_are_not_retried(front_door: FrontDoor) -> None:
+    _, url, key = front_door
 
     async def scenario() -> None:
-        async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        async with openai.AsyncOpenAI(base_url=url, api_key=key) as client:
             with pytest.raises(openai.BadRequestError) as caught:
                 await client.chat.completions.create(model="m", messages=[])
             assert caught.value.status_code == 400
@@ -173,7 +178,7 @@ def test_bad_requests_get_openai_error_bodies_and_are_not_retried(front_door: tu
                     model="m", messages=[USER], extra_headers={"x-gymrpc-episode": "no-attempt"}
                 )
             assert "x-gymrpc-episode" in caught.value.message
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
             deep: Any = "x"
             for _ in range(200):
                 deep = [deep]
@@ -189,12 +194,12 @@ def test_bad_requests_get_openai_error_bodies_and_are_not_retried(front_door: tu
     asyncio.run(scenario())
 
 
-def test_responses_api_with_function_calls_and_outputs(front_door: tuple[Path, str]) -> None:
-    run_dir, url = front_door
+def test_responses_api_with_function_calls_and_outputs(front_door: FrontDoor) -> None:
+    run_dir, url, key = front_door
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
 
     async def scenario() -> None:
-        async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        async with openai.AsyncOpenAI(base_url=url, api_key=key) as client:
             first = await client.responses.create(model="m", input=USER["content"], tools=tools)
             calls = [item for item in first.output if item.type == "function_call"]
             assert [(c.name, c.call_id) for c in calls] == [
@@ -240,12 +245,12 @@ def test_responses_api_with_function_calls_and_outputs(front_door: tuple[Path, s
     asyncio.run(scenario())
 
 
-def test_episode_calls_are_captured_and_retire_frees_their_record(front_door: tuple[Path, str]) -> None:
-    run_dir, url = front_door
+def test_episode_calls_are_captured_and_retire_frees_their_record(front_door: FrontDoor) -> None:
+    run_dir, url, key = front_door
     stats_url = f"{url[: -len('/v1')]}/gymrpc/stats"
 
     async def scenario() -> None:
-        async with Client(run_dir=run_dir) as client, openai.AsyncOpenAI(base_url=url, api_key="unused") as model:
+        async with Client(run_dir=run_dir) as client, openai.AsyncOpenAI(base_url=url, api_key=key) as model:
             controller = Controller(client)
 
             async def ledger_rows() -> int:
@@ -263,7 +268,7 @@ def test_episode_calls_are_captured_and_retire_frees_their_record(front_door: tu
                 model="m", messages=[USER], tools=TOOLS, metadata={"gymrpc_episode": "cap-2/0"}
             )
             assert await ledger_rows() == before + 2
-            async with httpx.AsyncClient() as http:
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
                 assert (await http.get(stats_url, params={"episode": "cap-1/0"})).json()["recorded"] == 1
                 await controller.retire("retire-1", [EpisodeKey("cap-1", 0)])
                 assert (await http.get(stats_url, params={"episode": "cap-1/0"})).json()["recorded"] == 0
@@ -275,8 +280,8 @@ def test_episode_calls_are_captured_and_retire_frees_their_record(front_door: tu
     asyncio.run(scenario())
 
 
-def test_a_streamed_call_is_replayed_as_a_stream_with_the_same_tokens(front_door: tuple[Path, str]) -> None:
-    _, url = front_door
+def test_a_streamed_call_is_replayed_as_a_stream_with_the_same_tokens(front_door: FrontDoor) -> None:
+    _, url, key = front_door
     conversation: list[Any] = [USER]
 
     async def streamed(client: openai.AsyncOpenAI, run_id: str) -> tuple[str, list[int], list[Any]]:
@@ -293,12 +298,33 @@ def test_a_streamed_call_is_replayed_as_a_stream_with_the_same_tokens(front_door
         return str(replayed[0]), ids, calls
 
     async def scenario() -> None:
-        async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        async with openai.AsyncOpenAI(base_url=url, api_key=key) as client:
             live = await streamed(client, "run-1")
             again = await streamed(client, "run-2")
         assert live[0] == "False"
         assert again[0] == "True"
         assert again[1:] == live[1:]
         assert len(live[2]) == 2
+
+    asyncio.run(scenario())
+
+
+def test_the_front_door_needs_a_credential_as_model_service_does(front_door: FrontDoor) -> None:
+    run_dir, url, _key = front_door
+    agent_key = auth.read_token_file(run_dir / "agent.token")
+
+    trainer_key = auth.read_token_file(run_dir / "trainer.token")
+
+    async def scenario() -> None:
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.models.list()
+            with pytest.raises(openai.AuthenticationError):
+                await client.chat.completions.create(model="m", messages=[USER])
+        async with openai.AsyncOpenAI(base_url=url, api_key=trainer_key, max_retries=0) as client:
+            with pytest.raises(openai.PermissionDeniedError):  # a trainer calls agents, not the model
+                await client.chat.completions.create(model="m", messages=[USER])
+        async with openai.AsyncOpenAI(base_url=url, api_key=agent_key) as client:  # an agent may call the model
+            assert [m.id for m in (await client.models.list()).data]
 
     asyncio.run(scenario())
