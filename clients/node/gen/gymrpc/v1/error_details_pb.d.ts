@@ -180,6 +180,54 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_OVERLOADED = 21;
    */
   OVERLOADED = 21,
+
+  /**
+   * The model's upstream server refused the request as malformed.
+   * Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_REJECTED = 22;
+   */
+  UPSTREAM_REJECTED = 22,
+
+  /**
+   * The model's upstream server has no such route (for example a chat-only
+   * server asked for `/v1/completions`). Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_NOT_FOUND = 23;
+   */
+  UPSTREAM_NOT_FOUND = 23,
+
+  /**
+   * The model's upstream server refused the API key (HTTP 401 or 403).
+   * Code UNAUTHENTICATED or PERMISSION_DENIED.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_AUTH_FAILED = 24;
+   */
+  UPSTREAM_AUTH_FAILED = 24,
+
+  /**
+   * The model's upstream server kept answering HTTP 429 past the call's
+   * deadline; retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_RATE_LIMITED = 25;
+   */
+  UPSTREAM_RATE_LIMITED = 25,
+
+  /**
+   * The prompt plus `max_tokens` exceed the upstream model's context.
+   * Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_CONTEXT_LENGTH = 26;
+   */
+  UPSTREAM_CONTEXT_LENGTH = 26,
+
+  /**
+   * The upstream server does not serve the configured model.
+   * Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_MODEL_NOT_FOUND = 27;
+   */
+  UPSTREAM_MODEL_NOT_FOUND = 27,
 }
 
 /**
