@@ -128,3 +128,20 @@ def test_counter_and_workplace_episodes_earn_their_rewards_in_both_modes(
     lines = {line.split()[0]: line for line in shown.stdout.splitlines() if line.strip()}
     assert "upstream_mode=chat" in lines["model/chat"], shown.stdout + shown.stderr
     assert "upstream_mode=tokens" in lines["model/tokens"], shown.stdout + shown.stderr
+    # ... and as `gymrpc status` shows it, in its NOTES column.
+    shown = subprocess.run(
+        [sys.executable, "-m", "gymrpc.cli", "--run-dir", str(stack.run_dir), "status"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = {line.split()[0]: line for line in shown.stdout.splitlines()[1:] if line.strip()}
+    assert "NOTES" in lines["NAME"]
+    assert lines["model/chat"].rstrip().endswith("upstream_mode=chat"), shown.stdout
+    assert lines["model/tokens"].rstrip().endswith("upstream_mode=tokens"), shown.stdout
+    # The one line each model server logged at start about what its upstream can do.
+    logs = "\n".join(p.read_text(errors="replace") for p in stack.run_dir.rglob("*.log"))
+    assert "mode chat; token-id completions: NO" in logs
+    assert "mode tokens; token-id completions: yes" in logs
