@@ -303,7 +303,8 @@ class RunningUpstream:
     def __init__(self, fake: FakeUpstream) -> None:
         self.fake = fake
         handler = type("BoundHandler", (_Handler,), {"fake": fake})
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server_class = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 1024})  # as uvicorn's backlog
+        self._server = server_class(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()

@@ -546,8 +546,10 @@ class _ChatReply:
 
 
 def _upstream_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A checked message as OpenAI takes it: no `reasoning_content` (not an input field)."""
-    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    """A checked message as OpenAI takes it: no `reasoning_content`, no tool `name` (not input fields there)."""
+    out = {
+        k: v for k, v in message.items() if k != "reasoning_content" and not (k == "name" and message["role"] == "tool")
+    }
     if out.get("role") == "assistant" and out.get("tool_calls") and not out.get("content"):
         out["content"] = None
     return out
