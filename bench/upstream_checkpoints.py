@@ -1,8 +1,8 @@
 """What a coordinated checkpoint costs with a token-level upstream that cannot abort (episodes/s, extra tokens).
 
 The model server is the real `ModelServicer` + `ModelParticipant` with the openai backend in
-`tokens` mode, talking HTTP to a vLLM-style loopback upstream (`tests/model/upstreams.py`,
-one token per SSE chunk, `--token-delay` seconds apart, no `/abort_requests`: a cut is the
+`tokens` mode, talking HTTP to a vLLM-style loopback upstream (`tests/model/upstreams.py` in
+a process of its own, one token per SSE chunk, `--token-delay` seconds apart, no `/abort_requests`: a cut is the
 client disconnecting). Counter episodes run `--concurrency` at a time, the agent loop in this
 process, each tool call on a real counter session. Two runs of the same `--episodes`:
 
@@ -25,11 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -43,7 +46,6 @@ from gymrpc.v1 import model_service_pb2 as pb  # noqa: E402
 from servers.model.backends.openai import OpenAIBackend  # noqa: E402
 from servers.model.participant import ModelParticipant  # noqa: E402
 from servers.model.service import ModelServicer  # noqa: E402
-from tests.model.upstreams import FakeUpstream, RunningUpstream  # noqa: E402
 
 ROWS = [json.loads(line) for line in (ROOT / "envs/counter/data/example.jsonl").read_text().splitlines() if line]
 
@@ -76,8 +78,27 @@ async def episode(servicer: ModelServicer, n: int) -> float:
     return session.verify(messages_to_dicts(messages)).reward
 
 
+class UpstreamProcess:
+    """The fake upstream in a process of its own, as a real one is (no GIL shared with the model server)."""
+
+    def __init__(self, token_delay: float) -> None:
+        argv = [sys.executable, "-m", "tests.model.upstreams", "--tokens-only", "--token-delay", str(token_delay)]
+        self.process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        self.url = self.process.stdout.readline().strip()
+        if not self.url:
+            raise RuntimeError("the fake upstream did not start")
+
+    def stats(self) -> dict[str, int]:
+        return httpx.get(self.url.removesuffix("/v1") + "/_stats", timeout=10).json()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
 async def one_run(args: argparse.Namespace, checkpoints: bool) -> dict[str, Any]:
-    upstream = RunningUpstream(FakeUpstream(chat=False, token_delay=args.token_delay))
+    upstream = UpstreamProcess(args.token_delay)
     servicer = ModelServicer(OpenAIBackend(upstream.url, mode="tokens", weight_version="bench:0"), default_tokenizer())
     participant = ModelParticipant(servicer)
     plane = ControlPlane(participant, name="model/bench")
@@ -122,8 +143,8 @@ async def one_run(args: argparse.Namespace, checkpoints: bool) -> dict[str, Any]
         if background is not None:
             await background
         await servicer.close()
+        fake = upstream.stats()
         upstream.stop()
-    fake = upstream.fake
     return {
         "episodes": len(rewards),
         "mean_reward": sum(rewards) / max(1, len(rewards)),
@@ -133,11 +154,11 @@ async def one_run(args: argparse.Namespace, checkpoints: bool) -> dict[str, Any]
         "cut_generations": cut,
         "pause_ms_mean": 1000 * sum(pauses) / max(1, len(pauses)),
         "prepare_commit_resume_ms_mean": [1000 * sum(p[i] for p in phases) / max(1, len(phases)) for i in range(3)],
-        "upstream_requests": len(fake.requests),
-        "upstream_tokens": fake.generated_tokens,
-        "continuations": fake.continuations,
-        "regenerations": fake.regenerations,
-        "regenerated_tokens": fake.regenerated_tokens,
+        "upstream_requests": fake["requests"],
+        "upstream_tokens": fake["generated_tokens"],
+        "continuations": fake["continuations"],
+        "regenerations": fake["regenerations"],
+        "regenerated_tokens": fake["regenerated_tokens"],
     }
 
 

@@ -152,6 +152,10 @@ class _Handler(BaseHTTPRequestHandler):
         return False
 
     def do_GET(self) -> None:
+        if self.path == "/_stats":  # the counters, for a benchmark running this server in another process
+            fake = self.fake
+            keys = ("regenerations", "regenerated_tokens", "continuations", "generated_tokens")
+            return self._json(200, {"requests": len(fake.requests), **{k: getattr(fake, k) for k in keys}})
         if not self._authorized():
             return
         if self.path == "/v1/models":
@@ -313,3 +317,27 @@ class RunningUpstream:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def main() -> None:
+    """Serve one fake upstream until SIGTERM; print its URL on the first line of stdout."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chat-only", action="store_true")
+    parser.add_argument("--tokens-only", action="store_true")
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    args = parser.parse_args()
+    upstream = RunningUpstream(
+        FakeUpstream(completions=not args.chat_only, chat=not args.tokens_only, token_delay=args.token_delay)
+    )
+    print(upstream.url, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    upstream.stop()
+
+
+if __name__ == "__main__":
+    main()

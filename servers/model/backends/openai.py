@@ -65,6 +65,8 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT, "tool_calls": Finish.STOP}
 _CONTEXT_LENGTH = re.compile(r"context[ _-]?length|maximum context|context window|too many tokens|too long", re.I)
 _MODEL_MISSING = re.compile(r"model.*(does not exist|not found|unknown|no such)|model_not_found|unknown model", re.I)
+DRAIN_GRACE, DRAIN_LIMIT = 0.002, 0.02
+"""After an abort, lines keep being read while each comes within DRAIN_GRACE s, for DRAIN_LIMIT s at most."""
 MAX_RETRY_AFTER = 60.0
 """A Retry-After longer than this is not waited for, whatever the deadline."""
 
@@ -472,20 +474,29 @@ class _NoResponse:
 
 
 async def _events(response: Any, aborted: asyncio.Event | None) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream; ends at `[DONE]`, or at once when `aborted` is set.
+    """The JSON payloads of an SSE stream; ends at `[DONE]`, or soon after `aborted` is set.
 
     Racing the abort against the next line ends a cut without waiting for a token that may
     be slow to come; leaving the `stream` block closes the connection, which is the abort.
+    Lines that already arrived when the abort came are still read (`DRAIN_GRACE`): they
+    are tokens the upstream generated, and each one kept is one the continuation need not.
     """
     lines = response.aiter_lines().__aiter__()
     waiter = asyncio.ensure_future(aborted.wait()) if aborted is not None else None
+    loop = asyncio.get_running_loop()
+    drain_until: float | None = None
     try:
         while True:
-            if waiter is not None and waiter.done():
-                return
             step = asyncio.ensure_future(lines.__anext__())
             if waiter is not None:
-                await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if drain_until is None:
+                    await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    if waiter.done():
+                        drain_until = loop.time() + DRAIN_LIMIT
+                if drain_until is not None and not step.done():
+                    budget = min(DRAIN_GRACE, drain_until - loop.time())
+                    if budget > 0:
+                        await asyncio.wait({step}, timeout=budget)
                 if not step.done():
                     step.cancel()
                     with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, httpx.HTTPError):
