@@ -301,3 +301,42 @@ def test_a_checkpoint_cut_continues_from_the_streamed_tokens_without_regeneratin
     assert fake.regenerations == 0  # no request started an already-streamed reply over
     assert fake.continuations == 16
     assert len([p for p, _ in fake.requests if p == "/v1/completions"]) == 32
+
+
+def test_a_chat_mode_cut_regenerates_the_message_on_resume(serve: Any, counter_rows: list[dict[str, Any]]) -> None:
+    """Message granularity: a chat upstream cannot continue a partial reply, so the cut one is asked again."""
+    reference_up, up = serve(completions=False), serve(completions=False, hold_at=1)
+    request = _requests(counter_rows)[0]
+
+    async def uninterrupted() -> pb.GenerateResponse:
+        servicer = ModelServicer(backend(reference_up, mode="chat"), TOKENIZER)
+        try:
+            return await servicer.Generate(request, None)
+        finally:
+            await servicer.close()
+
+    async def checkpointed() -> tuple[pb.GenerateResponse, int]:
+        servicer = ModelServicer(backend(up, mode="chat"), TOKENIZER)
+        participant = ModelParticipant(servicer)
+        plane = ControlPlane(participant, name="model/test")
+        try:
+            call = asyncio.ensure_future(servicer.Generate(request, None))
+            await asyncio.get_running_loop().run_in_executor(None, up.fake.holding.wait, 60)
+            phase, report = await plane.prepare("c1", soon())
+            assert phase is Phase.PREPARED
+            assert report.counts["cut"] == 1, (report, {k: g.state for k, g in participant._generations.items()})
+            prefix = len(participant._generations[request.request_id].token_ids)
+            up.fake.hold.set()
+            await plane.resume("c1")
+            return await call, prefix
+        finally:
+            up.fake.hold.set()
+            await servicer.close()
+
+    expected = asyncio.run(uninterrupted())
+    reply, prefix = asyncio.run(checkpointed())
+    assert prefix == 0  # nothing of a chat reply is kept before it is whole
+    assert reply.message == expected.message
+    assert list(reply.tokens.completion_token_ids) == list(expected.tokens.completion_token_ids)
+    assert not reply.tokens.continued_at  # regenerated, not continued
+    assert [p for p, _ in up.fake.requests].count("/v1/chat/completions") == 2

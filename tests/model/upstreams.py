@@ -84,8 +84,11 @@ class FakeUpstream:
     """Seconds between streamed tokens (chunks)."""
     max_context: int = 100_000
     hold_at: int | None = None
-    """Pause every fresh (not continued) streamed generation after this many tokens until `hold` is set."""
+    """Pause every fresh (not continued) streamed generation after this many tokens until `hold` is set
+    (a streamed chat reply: after its first chunk)."""
     hold: threading.Event = field(default_factory=threading.Event)
+    holding: threading.Event = field(default_factory=threading.Event)
+    """Set when a generation first pauses at `hold_at`."""
     sources: Sequence[ReplySource] = field(default_factory=lambda: [CounterSolver()])
     tokenizer: ChatTokenizer = field(default_factory=default_tokenizer)
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -206,6 +209,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             for n, token in enumerate(ids):
                 if k == 0 and n == fake.hold_at:
+                    fake.holding.set()
                     fake.hold.wait(120)
                 last = n == len(ids) - 1
                 self._event({"choices": [self._token_choice([token], k + n, finish if last else None)]})
@@ -257,6 +261,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._start_events()
         try:
             self._chat_delta({"role": "assistant", "content": ""})
+            if fake.hold_at is not None:  # a chat reply pauses after its first chunk
+                fake.holding.set()
+                fake.hold.wait(120)
             for start in range(0, len(reply.content), 8):
                 self._chat_delta({"content": reply.content[start : start + 8]})
                 if fake.token_delay:
