@@ -113,7 +113,9 @@ def _up_detached(args: argparse.Namespace, run_dir: Path) -> int:
     return 1
 
 
-def _format_table(run_dir: Path, state: dict | None, health: dict[str, str] | None = None) -> str:
+def _format_table(
+    run_dir: Path, state: dict | None, health: dict[str, str] | None = None, notes: dict[str, str] | None = None
+) -> str:
     if not state:
         return f"no stack in {run_dir}"
     rows = [("NAME", "STATE", "HEALTH" if health is not None else "", "PID", "ADDRESS", "RESTARTS", "LAST EXIT")]
@@ -129,6 +131,11 @@ def _format_table(run_dir: Path, state: dict | None, health: dict[str, str] | No
                 s["last_exit"] or "-",
             )
         )
+    if notes:
+        rows = [
+            (*rows[0], "NOTES"),
+            *((*r, notes.get(s["name"], "")) for r, s in zip(rows[1:], state["servers"], strict=True)),
+        ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         f"stack {state['state']} in {run_dir} (launcher pid {state['launcher_pid']}, registry {state['registry']})"
@@ -152,11 +159,35 @@ def cmd_status(args: argparse.Namespace) -> int:
         return {name: "SERVING" if ok else "DOWN" for name, ok in zip(checks, results, strict=True)}
 
     health = asyncio.run(probe())
+    notes = asyncio.run(_notes(run_dir))
     if args.json:
-        print(json.dumps({**state, "health": health}, indent=2))
+        print(json.dumps({**state, "health": health, "notes": notes}, indent=2))
     else:
-        print(_format_table(run_dir, state, health))
+        print(_format_table(run_dir, state, health, notes))
     return 0
+
+
+NOTED_DETAILS = ("upstream_mode",)
+"""`GetStatus` details worth a column in `gymrpc status` (all of them: `gymrpc ctl status`)."""
+
+
+async def _notes(run_dir: Path) -> dict[str, str]:
+    """Per participant, the noted `GetStatus` details (the model's upstream mode); {} when none answer."""
+    from gymrpc.client import Client
+    from gymrpc.controller import Controller, CoordinationError
+    from gymrpc.errors import GymrpcError
+
+    try:
+        async with Client(run_dir=run_dir) as client:
+            statuses = await Controller(client).status(timeout=3.0)
+    except (GymrpcError, CoordinationError, OSError):
+        return {}  # no control token, or a participant did not answer: the table without notes
+    notes = {}
+    for name, status in statuses.items():
+        shown = [f"{key}={status.details[key]}" for key in NOTED_DETAILS if key in status.details]
+        if shown:
+            notes[name] = " ".join(shown)
+    return notes
 
 
 def cmd_down(args: argparse.Namespace) -> int:

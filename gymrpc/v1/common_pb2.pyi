@@ -56,6 +56,36 @@ ROLE_DEVELOPER: Role.ValueType  # 5
 """Developer instructions (Responses API); templated like system text."""
 Global___Role: _TypeAlias = Role  # noqa: Y015
 
+class _TokenSource:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TokenSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TokenSource.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOKEN_SOURCE_UNSPECIFIED: _TokenSource.ValueType  # 0
+    """Not reported (older servers): the sampler's own ids."""
+    TOKEN_SOURCE_SAMPLER: _TokenSource.ValueType  # 1
+    """The ids the model sampled, with their logprobs (token-level upstreams)."""
+    TOKEN_SOURCE_RETOKENIZED: _TokenSource.ValueType  # 2
+    """The model server's own tokenisation of the text a chat-only upstream
+    replied; not what the model sampled, and without logprobs. Fine for
+    evaluation, not for policy-gradient training.
+    """
+
+class TokenSource(_TokenSource, metaclass=_TokenSourceEnumTypeWrapper):
+    """Provenance of a `TokenTrace`'s token ids."""
+
+TOKEN_SOURCE_UNSPECIFIED: TokenSource.ValueType  # 0
+"""Not reported (older servers): the sampler's own ids."""
+TOKEN_SOURCE_SAMPLER: TokenSource.ValueType  # 1
+"""The ids the model sampled, with their logprobs (token-level upstreams)."""
+TOKEN_SOURCE_RETOKENIZED: TokenSource.ValueType  # 2
+"""The model server's own tokenisation of the text a chat-only upstream
+replied; not what the model sampled, and without logprobs. Fine for
+evaluation, not for policy-gradient training.
+"""
+Global___TokenSource: _TypeAlias = TokenSource  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -399,6 +429,13 @@ class TokenTrace(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     COMPLETION_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKEN_SOURCE_FIELD_NUMBER: _builtins.int
+    CONTINUED_AT_FIELD_NUMBER: _builtins.int
+    token_source: Global___TokenSource.ValueType
+    """Where the token ids come from. Only TOKEN_SOURCE_SAMPLER ids are the ones
+    the model sampled; RL code should refuse others for training. Unset in
+    replies of servers that predate the field: read it as the sampler's.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids of the whole prompt, as rendered by the model server's template."""
@@ -413,16 +450,26 @@ class TokenTrace(_message.Message):
         `completion_token_ids` when logprobs were requested.
         """
 
+    @_builtins.property
+    def continued_at(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Offsets into `completion_token_ids` at which a cut generation (checkpoint
+        or weight update) was continued by a new upstream request whose prompt
+        was the prompt plus the tokens before the offset; empty for one
+        uninterrupted generation. The trace is still one model call.
+        """
+
     def __init__(
         self,
         *,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         completion_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         completion_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        token_source: Global___TokenSource.ValueType = ...,
+        continued_at: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "prompt_token_ids", b"prompt_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "continued_at", b"continued_at", "prompt_token_ids", b"prompt_token_ids", "token_source", b"token_source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -92,6 +92,30 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     names the `position` and the first differing `field`. Code
     FAILED_PRECONDITION.
     """
+    ERROR_REASON_UPSTREAM_REJECTED: _ErrorReason.ValueType  # 25
+    """The model's upstream server refused the request as malformed.
+    Code INVALID_ARGUMENT.
+    """
+    ERROR_REASON_UPSTREAM_NOT_FOUND: _ErrorReason.ValueType  # 26
+    """The model's upstream server has no such route (for example a chat-only
+    server asked for `/v1/completions`). Code FAILED_PRECONDITION.
+    """
+    ERROR_REASON_UPSTREAM_AUTH_FAILED: _ErrorReason.ValueType  # 27
+    """The model's upstream server refused the API key (HTTP 401 or 403).
+    Code UNAUTHENTICATED or PERMISSION_DENIED.
+    """
+    ERROR_REASON_UPSTREAM_RATE_LIMITED: _ErrorReason.ValueType  # 28
+    """The model's upstream server kept answering HTTP 429 past the call's
+    deadline; retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+    """
+    ERROR_REASON_UPSTREAM_CONTEXT_LENGTH: _ErrorReason.ValueType  # 29
+    """The prompt plus `max_tokens` exceed the upstream model's context.
+    Code INVALID_ARGUMENT.
+    """
+    ERROR_REASON_UPSTREAM_MODEL_NOT_FOUND: _ErrorReason.ValueType  # 30
+    """The upstream server does not serve the configured model.
+    Code FAILED_PRECONDITION.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -172,5 +196,29 @@ ERROR_REASON_REPLAY_DIVERGENCE: ErrorReason.ValueType  # 24
 call at the same position (its code is not deterministic); the metadata
 names the `position` and the first differing `field`. Code
 FAILED_PRECONDITION.
+"""
+ERROR_REASON_UPSTREAM_REJECTED: ErrorReason.ValueType  # 25
+"""The model's upstream server refused the request as malformed.
+Code INVALID_ARGUMENT.
+"""
+ERROR_REASON_UPSTREAM_NOT_FOUND: ErrorReason.ValueType  # 26
+"""The model's upstream server has no such route (for example a chat-only
+server asked for `/v1/completions`). Code FAILED_PRECONDITION.
+"""
+ERROR_REASON_UPSTREAM_AUTH_FAILED: ErrorReason.ValueType  # 27
+"""The model's upstream server refused the API key (HTTP 401 or 403).
+Code UNAUTHENTICATED or PERMISSION_DENIED.
+"""
+ERROR_REASON_UPSTREAM_RATE_LIMITED: ErrorReason.ValueType  # 28
+"""The model's upstream server kept answering HTTP 429 past the call's
+deadline; retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+"""
+ERROR_REASON_UPSTREAM_CONTEXT_LENGTH: ErrorReason.ValueType  # 29
+"""The prompt plus `max_tokens` exceed the upstream model's context.
+Code INVALID_ARGUMENT.
+"""
+ERROR_REASON_UPSTREAM_MODEL_NOT_FOUND: ErrorReason.ValueType  # 30
+"""The upstream server does not serve the configured model.
+Code FAILED_PRECONDITION.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

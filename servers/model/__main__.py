@@ -3,7 +3,7 @@
 python -m servers.model --backend scripted --policy counter
 python -m servers.model --backend scripted --script replies.jsonl --recorded example_rollouts.jsonl
 python -m servers.model --policy counter --recorded env:blackjack   # an env's bundled recordings
-python -m servers.model --backend openai --upstream-url http://127.0.0.1:8011
+python -m servers.model --backend openai --upstream-url http://127.0.0.1:8011 [--upstream-mode auto|tokens|chat]
 python -m servers.model --backend vllm --model-path DIR [--dtype bfloat16] [--tensor-parallel-size 2]
 python -m servers.model --policy counter --openai-port 0 --replay-dir DIR   # + the OpenAI HTTP front door
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gymrpc import auth
 from gymrpc.chat import ChatTokenizer, default_tokenizer
+from gymrpc.errors import GymrpcError
 from gymrpc.v1 import model_service_pb2 as pb
 from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
 from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
@@ -69,6 +70,8 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
             api_key=key or os.environ.get("GYMRPC_UPSTREAM_API_KEY"),
             timeout=args.upstream_timeout,
             dev_abort=args.upstream_dev_abort,
+            mode=args.upstream_mode,
+            tokenizer=tokenizer,
         )
     from servers.model.backends.scripted import ScriptedBackend
     from servers.model.backends.sources import CounterSolver, RecordedRollouts, ReplySource, ScriptFile
@@ -118,7 +121,20 @@ def main() -> None:
     scripted.add_argument("--fallback", help="reply text when no source knows the turn (default: an error)")
     scripted.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
     upstream = parser.add_argument_group("openai backend")
-    upstream.add_argument("--upstream-url", help="base URL of an OpenAI-compatible server")
+    upstream.add_argument(
+        "--upstream-url",
+        help="base URL of an OpenAI-compatible server: token-level (vLLM: POST /v1/completions with token-id "
+        "prompts and return_token_ids) for training data, or any server with POST /v1/chat/completions "
+        "(text and tool calls, re-tokenised here: evaluation only)",
+    )
+    upstream.add_argument(
+        "--upstream-mode",
+        choices=("auto", "tokens", "chat"),
+        default="auto",
+        help="tokens: /v1/completions with token ids (sampler's ids and logprobs, cuts continue from the "
+        "streamed tokens); chat: /v1/chat/completions (re-tokenised, no logprobs, cuts regenerate the "
+        "message); auto (default): probe the upstream at start, tokens when it can",
+    )
     upstream.add_argument("--upstream-model", help="model name (default: the first of /v1/models)")
     upstream.add_argument("--upstream-api-key-file", type=Path, help="file holding the upstream API key")
     upstream.add_argument("--upstream-timeout", type=float, default=600.0)
@@ -142,8 +158,16 @@ def main() -> None:
     limits = Limits(args.default_max_tokens, args.max_tokens_limit, args.max_prompt_tokens)
 
     async def main_async() -> None:
+        backend = build_backend(args, tokenizer)
+        probe = getattr(backend, "probe", None)
+        if args.backend == "openai" and probe is not None:
+            try:
+                await probe()  # fail now, naming what the upstream lacks, rather than at every call
+            except GymrpcError as exc:
+                await backend.close()
+                raise SystemExit(f"model server: {exc.message}") from None
         servicer = ModelServicer(
-            build_backend(args, tokenizer),
+            backend,
             tokenizer,
             limits=limits,
             cache_size=args.cache_size,

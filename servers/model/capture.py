@@ -63,6 +63,8 @@ class Generation:
     weight_version: str = ""
     finish: Finish | None = None
     cut_requested: bool = False
+    continued_at: list[int] = field(default_factory=list)
+    """Offsets where the generation was continued after a cut (reported in its `TokenTrace`)."""
 
     def to_cut(self) -> rec_pb.GenerationCut:
         complete = self.state == "held"

@@ -91,6 +91,7 @@ class ModelParticipant(Participant):
                 return self._completion(gen)
         while True:
             if gen.token_ids:
+                gen.continued_at.append(len(gen.token_ids))
                 stream = self.backend.continue_stream(
                     prompt, gen.token_ids, sampling, request_id, conversation=conversation
                 )
@@ -119,7 +120,9 @@ class ModelParticipant(Participant):
     @staticmethod
     def _completion(gen: Generation) -> Completion:
         logprobs = None if gen.logprobs is None else tuple(gen.logprobs)
-        return Completion(tuple(gen.token_ids), logprobs, gen.finish or Finish.STOP, gen.weight_version)
+        return Completion(
+            tuple(gen.token_ids), logprobs, gen.finish or Finish.STOP, gen.weight_version, tuple(gen.continued_at)
+        )
 
     async def deliver(self, checked: Checked, response: pb.GenerateResponse) -> None:
         """Hold a unary response while admission is closed; record it in the ledger as it leaves."""
@@ -261,7 +264,11 @@ class ModelParticipant(Participant):
             replay.forget(rollout_ids)
 
     def details(self) -> dict[str, str]:
-        return {"backend": self.backend.name, "ledger_tokens": str(self.ledger.tokens())}
+        return {
+            "backend": self.backend.name,
+            "ledger_tokens": str(self.ledger.tokens()),
+            **self.backend.status_details(),
+        }
 
 
 def _merge(into: tuple[list[rec_pb.CaptureRow], list[rec_pb.GenerationCut]], body: rec_pb.ModelEpisodeRecord) -> None:

@@ -98,7 +98,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         args = (prompt, checked.sampling, checked.request_id)
         token_ids: list[int] = []
         logprobs: list[float] | None = []
-        finish, version = Finish.ABORT, ""
+        finish, version, continued_at = Finish.ABORT, "", ()
         if streaming:
             decoder = self.tokenizer.decoder()
             async for delta in self.backend.stream(*args, conversation=conversation):
@@ -115,10 +115,11 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         else:
             generate = self.backend.generate if self.gate is None else self.gate.generate
             completion = await generate(*args, conversation=conversation)
-            token_ids, finish, version = (
+            token_ids, finish, version, continued_at = (
                 list(completion.token_ids),
                 completion.finish,
                 completion.weight_version,
+                completion.continued_at,
             )
             logprobs = None if completion.logprobs is None else list(completion.logprobs)
             if token_ids:
@@ -133,6 +134,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 prompt_token_ids=prompt,
                 completion_token_ids=token_ids,
                 completion_logprobs=logprobs or (),
+                token_source=common_pb2.TOKEN_SOURCE_RETOKENIZED
+                if self.backend.retokenized
+                else common_pb2.TOKEN_SOURCE_SAMPLER,
+                continued_at=continued_at,
             ),
             finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS if has_calls else _FINISH[finish],
             weight_version=version or getattr(self.backend, "weight_version", ""),

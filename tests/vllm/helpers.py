@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -152,13 +152,14 @@ class OpenAIServer:
     cannot find its own package metadata. Its own session, so the whole tree stops together.
     """
 
-    def __init__(self, model: Path, log: Path, timeout: float = 300.0) -> None:
+    def __init__(self, model: Path, log: Path, timeout: float = 300.0, extra_args: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--enable-prefix-caching",
+            *extra_args,
         ]  # fmt: skip
         self.log_path = log
         self.log = open(log, "wb")  # noqa: SIM115 - closed in stop()

@@ -77,6 +77,8 @@ class Completion:
     """One logprob per token id (of the sampled token), or None if the backend has none."""
     finish: Finish
     weight_version: str
+    continued_at: tuple[int, ...] = ()
+    """Token offsets where a cut generation was continued by a new backend request (`continue_stream`)."""
 
 
 @dataclass
@@ -96,6 +98,12 @@ class ModelBackend(abc.ABC):
     """One source of completions. Implementations must be safe for concurrent requests."""
 
     name: str = "backend"
+    retokenized: bool = False
+    """True when the token ids are the server's tokenisation of text, not what the model sampled."""
+
+    def status_details(self) -> dict[str, str]:
+        """Backend facts shown by `GetStatus` (`gymrpc ctl status`)."""
+        return {}
 
     @abc.abstractmethod
     def stream(

@@ -371,6 +371,25 @@ export declare type TokenTrace = Message$1<"gymrpc.v1.TokenTrace"> & {
    * @generated from field: repeated float completion_logprobs = 3;
    */
   completionLogprobs: number[];
+
+  /**
+   * Where the token ids come from. Only TOKEN_SOURCE_SAMPLER ids are the ones
+   * the model sampled; RL code should refuse others for training. Unset in
+   * replies of servers that predate the field: read it as the sampler's.
+   *
+   * @generated from field: gymrpc.v1.TokenSource token_source = 4;
+   */
+  tokenSource: TokenSource;
+
+  /**
+   * Offsets into `completion_token_ids` at which a cut generation (checkpoint
+   * or weight update) was continued by a new upstream request whose prompt
+   * was the prompt plus the tokens before the offset; empty for one
+   * uninterrupted generation. The trace is still one model call.
+   *
+   * @generated from field: repeated uint32 continued_at = 5;
+   */
+  continuedAt: number[];
 };
 
 /**
@@ -487,6 +506,41 @@ export enum Role {
  * Describes the enum gymrpc.v1.Role.
  */
 export declare const RoleSchema: GenEnum<Role>;
+
+/**
+ * Provenance of a `TokenTrace`'s token ids.
+ *
+ * @generated from enum gymrpc.v1.TokenSource
+ */
+export enum TokenSource {
+  /**
+   * Not reported (older servers): the sampler's own ids.
+   *
+   * @generated from enum value: TOKEN_SOURCE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The ids the model sampled, with their logprobs (token-level upstreams).
+   *
+   * @generated from enum value: TOKEN_SOURCE_SAMPLER = 1;
+   */
+  SAMPLER = 1,
+
+  /**
+   * The model server's own tokenisation of the text a chat-only upstream
+   * replied; not what the model sampled, and without logprobs. Fine for
+   * evaluation, not for policy-gradient training.
+   *
+   * @generated from enum value: TOKEN_SOURCE_RETOKENIZED = 2;
+   */
+  RETOKENIZED = 2,
+}
+
+/**
+ * Describes the enum gymrpc.v1.TokenSource.
+ */
+export declare const TokenSourceSchema: GenEnum<TokenSource>;
 
 /**
  * Why a generation stopped.

@@ -206,6 +206,54 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_REPLAY_DIVERGENCE = 24;
    */
   REPLAY_DIVERGENCE = 24,
+
+  /**
+   * The model's upstream server refused the request as malformed.
+   * Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_REJECTED = 25;
+   */
+  UPSTREAM_REJECTED = 25,
+
+  /**
+   * The model's upstream server has no such route (for example a chat-only
+   * server asked for `/v1/completions`). Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_NOT_FOUND = 26;
+   */
+  UPSTREAM_NOT_FOUND = 26,
+
+  /**
+   * The model's upstream server refused the API key (HTTP 401 or 403).
+   * Code UNAUTHENTICATED or PERMISSION_DENIED.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_AUTH_FAILED = 27;
+   */
+  UPSTREAM_AUTH_FAILED = 27,
+
+  /**
+   * The model's upstream server kept answering HTTP 429 past the call's
+   * deadline; retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_RATE_LIMITED = 28;
+   */
+  UPSTREAM_RATE_LIMITED = 28,
+
+  /**
+   * The prompt plus `max_tokens` exceed the upstream model's context.
+   * Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_CONTEXT_LENGTH = 29;
+   */
+  UPSTREAM_CONTEXT_LENGTH = 29,
+
+  /**
+   * The upstream server does not serve the configured model.
+   * Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_MODEL_NOT_FOUND = 30;
+   */
+  UPSTREAM_MODEL_NOT_FOUND = 30,
 }
 
 /**
