@@ -16,6 +16,9 @@ NAME_PART = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 """Each half of a service name `role/instance`."""
 ENDPOINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_ADDRESS_LEN = 256
+MAX_ATTEMPT = 2**32 - 2
+"""The largest episode attempt a request may name: a restore continues attempt N as N + 1, which
+must still fit the wire's uint32."""
 
 
 def check_id(value: str, field: str) -> str:
@@ -23,6 +26,16 @@ def check_id(value: str, field: str) -> str:
     if not ROLLOUT_ID.fullmatch(value) or value in {".", ".."}:
         raise InvalidArgument(
             f"{field} {value!r} is invalid: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$",
+            metadata={"field": field},
+        )
+    return value
+
+
+def check_attempt(value: int, field: str) -> int:
+    """Validate an episode attempt (a uint32 on the wire; its successor must be one too)."""
+    if not 0 <= value <= MAX_ATTEMPT:
+        raise InvalidArgument(
+            f"{field} {value} is out of range: attempts are 0..{MAX_ATTEMPT} (a restore continues one as attempt + 1)",
             metadata={"field": field},
         )
     return value

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
+from gymrpc import safeio
 from gymrpc.control import store
 from gymrpc.control.types import Kind
 from gymrpc.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument, NotFound
@@ -68,7 +69,7 @@ def write_index(folder: Path, checkpoint_id: str, manifests: Iterable[pb.Checkpo
         relative = manifest_path(manifest.kind, manifest.name, manifest.endpoint_id)
         path = folder / relative
         try:
-            data = path.read_bytes()
+            data = store.read_manifest_bytes(path)
         except FileNotFoundError:
             raise FailedPrecondition(
                 f"{path} does not exist here, though {manifest.name} reported it committed: the controller must "
@@ -147,9 +148,12 @@ def read_index(folder: Path) -> pb.CheckpointIndex:
             continue
         seen.add((member.name, member.endpoint_id))
         try:
-            data = (folder / expected).read_bytes()
-        except OSError as exc:
+            data = store.read_manifest_bytes(folder / expected)
+        except FileNotFoundError as exc:
             problems.append(f"{expected} cannot be read ({exc.strerror})")
+            continue
+        except DataLoss as exc:
+            problems.append(exc.message)
             continue
         if hashlib.sha256(data).hexdigest() != member.manifest_sha256:
             problems.append(f"{expected} is not the manifest that was committed (sha256 differs)")
@@ -180,8 +184,8 @@ def index_sources(index: pb.CheckpointIndex) -> dict[str, list[str]]:
 def _load_index(path: Path) -> pb.CheckpointIndex:
     index = pb.CheckpointIndex()
     try:
-        json_format.Parse(path.read_text(), index)
-    except (OSError, UnicodeDecodeError, json_format.ParseError) as exc:
+        json_format.Parse(safeio.read_regular(path, limit=store.MAX_MANIFEST_BYTES).decode(), index)
+    except (OSError, safeio.UnsafeFile, UnicodeDecodeError, json_format.ParseError) as exc:
         raise DataLoss(
             f"{path} is not a gymrpc checkpoint index: {exc}", metadata={"checkpoint_dir": str(path.parent)[:200]}
         ) from None

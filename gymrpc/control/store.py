@@ -35,10 +35,11 @@ from pathlib import Path
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from gymrpc import safeio
 from gymrpc.control.faults import crash_point
 from gymrpc.control.types import Kind
 from gymrpc.errors import Aborted, DataLoss, InvalidArgument, NotFound
-from gymrpc.ids import ENDPOINT_ID, check_endpoint_id, check_id, check_service_name
+from gymrpc.ids import ENDPOINT_ID, check_attempt, check_endpoint_id, check_id, check_service_name
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
@@ -50,6 +51,8 @@ MANIFEST = "manifest.json"
 RECORDS_FILE = re.compile(r"records-([0-9a-f]{64})\.bin")
 MAX_DIR_LEN = 4096
 MAX_RECORD_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest lists every episode once; 64 MiB is about a million of them."""
 
 
 class WriteStopped(Exception):
@@ -177,9 +180,13 @@ def write_checkpoint(
 
 
 def read_checkpoint(
-    root: Path, kind: Kind, name: str, endpoint_id: str = "0"
+    root: Path, kind: Kind, name: str, endpoint_id: str = "0", stop: threading.Event | None = None
 ) -> tuple[pb.CheckpointManifest, list[rec_pb.CheckpointRecord]]:
-    """Read and verify a participant's (replica's) manifest and every record; DATA_LOSS on any damage."""
+    """Read and verify a participant's (replica's) manifest and every record; DATA_LOSS on any damage.
+
+    Reads regular files only and never more than the manifest's `size_bytes` (`gymrpc.safeio`);
+    `stop` set (the restore's deadline passed) ends the read with `safeio.ReadStopped`.
+    """
     folder = participant_dir(root, kind, name, endpoint_id)
     manifest = _load_manifest(folder / MANIFEST)
     if manifest is None:
@@ -191,15 +198,36 @@ def read_checkpoint(
     _check_manifest(manifest, folder, kind, name, endpoint_id)
     path = folder / manifest.records_file
     try:
-        data = path.read_bytes()
+        data = safeio.read_regular(
+            path, limit=manifest.size_bytes, size=manifest.size_bytes, sha256=manifest.sha256, stop=stop
+        )
     except FileNotFoundError:
         raise DataLoss(f"{path} is missing; the checkpoint is damaged", reason="CORRUPT_SNAPSHOT") from None
-    if len(data) != manifest.size_bytes or hashlib.sha256(data).hexdigest() != manifest.sha256:
-        raise DataLoss(f"{path} fails its size or sha256 check; nothing was restored")
+    except safeio.UnsafeFile as exc:
+        raise DataLoss(f"{exc}: it fails its size or sha256 check; nothing was restored") from None
     records = list(_decode(data, path))
     if len(records) != manifest.record_count:
         raise DataLoss(f"{path} holds {len(records)} records, its manifest says {manifest.record_count}")
     return manifest, records
+
+
+def checkpoint_episodes(root: Path) -> set[tuple[str, int]]:
+    """Every episode some member's manifest under `root` lists: what the checkpoint holds as a whole.
+
+    A member holds only its own episodes (an environment those with a session there), so a
+    restore checks what it is asked for against the union, not against its own manifest.
+    """
+    held: set[tuple[str, int]] = set()
+    for kind in Kind:
+        try:
+            entries = sorted(os.scandir(root / kind.folder), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            manifest = _load_manifest(Path(entry.path, MANIFEST))
+            if manifest is not None:
+                held.update((e.rollout_id, e.attempt) for e in manifest.episode_ids)
+    return held
 
 
 def manifests_equal(a: pb.CheckpointManifest, b: pb.CheckpointManifest) -> bool:
@@ -245,12 +273,23 @@ def create_file(path: Path, text: str) -> bool:
 
 def _load_manifest(path: Path) -> pb.CheckpointManifest | None:
     try:
-        data = path.read_bytes()
+        data = read_manifest_bytes(path)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise DataLoss(f"{path} cannot be read: {exc}") from None
     return parse_manifest(data, path)
+
+
+def read_manifest_bytes(path: Path) -> bytes:
+    """A manifest file's bytes: a regular file of at most `MAX_MANIFEST_BYTES`; DATA_LOSS otherwise.
+
+    FileNotFoundError passes through.
+    """
+    try:
+        return safeio.read_regular(path, limit=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise
+    except (OSError, safeio.UnsafeFile) as exc:
+        raise DataLoss(f"{path} cannot be read: {exc}") from None
 
 
 def parse_manifest(data: bytes, path: Path) -> pb.CheckpointManifest:
@@ -296,6 +335,7 @@ def _decode(data: bytes, path: Path) -> Iterator[rec_pb.CheckpointRecord]:
         try:
             record.ParseFromString(data[pos : pos + length])
             check_id(record.episode_id.rollout_id, "record.episode_id.rollout_id")
+            check_attempt(record.episode_id.attempt, "record.episode_id.attempt")
         except (DecodeError, InvalidArgument) as exc:
             raise DataLoss(f"{path}: a record does not decode: {exc}") from None
         pos += length
