@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from gymrpc.errors import Aborted, DeadlineExceeded, InvalidArgument
-from gymrpc.ids import check_id
+from gymrpc.ids import check_attempt, check_id
 from gymrpc.messages import ROLE_NAMES, parse_json_object
 from gymrpc.pbtime import seconds
 from gymrpc.store import EpisodeStore
@@ -284,7 +284,9 @@ def _episode_identity(request: agent_pb.RunRequest) -> tuple[str, int]:
     """The request's episode id, or a fresh random one when it has none."""
     episode = request.episode_id
     if episode.rollout_id:
-        return check_id(episode.rollout_id, "episode_id.rollout_id"), episode.attempt
+        return check_id(episode.rollout_id, "episode_id.rollout_id"), check_attempt(
+            episode.attempt, "episode_id.attempt"
+        )
     if episode.attempt:
         raise InvalidArgument(
             "episode_id.attempt is set but episode_id.rollout_id is empty",

@@ -10,6 +10,7 @@ turn's prompt starts with this turn's prompt + completion ids.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -83,7 +84,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return flight
 
     async def _run(self, flight: Flight, checked: Checked, streaming: bool) -> None:
-        prompt = self.template.render(checked.messages, checked.tools).token_ids
+        # Tokenising a long prompt takes a while: off the event loop, so health checks and other calls go on.
+        rendered = await asyncio.to_thread(self.template.render, checked.messages, checked.tools)
+        prompt = rendered.token_ids
         if len(prompt) > self.limits.max_prompt_tokens:
             raise InvalidArgument(
                 f"the rendered prompt has {len(prompt)} tokens; this server takes at most "
