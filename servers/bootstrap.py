@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,8 @@ class ServerConfig:
     labels: dict[str, str] = field(default_factory=dict)
     max_inflight_calls: int = DEFAULT_MAX_INFLIGHT_CALLS
     """Calls run at once; more wait in gRPC's queue only until admitted, then get OVERLOADED."""
+    lease_file: Path | None = None
+    """Keeps the registry lease id across restarts, so a restarted server replaces its own entry."""
 
 
 class RunningServer:
@@ -129,8 +132,41 @@ def _bind(server: grpc.aio.Server, bind: str) -> tuple[str, int | None]:
     port = server.add_insecure_port(bind)
     if port == 0:
         raise RuntimeError(f"could not bind {bind}")
-    advertised = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
-    return f"{advertised}:{port}", None
+    return f"{advertised_host(host)}:{port}", None
+
+
+WILDCARDS = ("", "0.0.0.0", "[::]", "::")
+
+
+def advertised_host(host: str) -> str:
+    """The host to register for a bind: the host itself, or for a wildcard this machine's address.
+
+    A wildcard listens on every interface, so the server is reachable from the network: say so,
+    and advertise an address other machines can use rather than a loopback one that hides it.
+    """
+    if host not in WILDCARDS:
+        return host
+    address = node_address()
+    log.warning(
+        "listening on every interface (%s): anyone who can reach this machine can call this server; "
+        "advertising %s. Bind 127.0.0.1 (or a unix socket) unless it must be reachable from other hosts",
+        host or "*",
+        address,
+        extra={"bind": host or "*", "advertised": address},
+    )
+    return address
+
+
+def node_address() -> str:
+    """This machine's primary IPv4 address (the source of its default route), else 127.0.0.1."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: picks the outgoing interface, sends nothing
+        address = probe.getsockname()[0]
+        if address and not address.startswith("0."):
+            return str(address)
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"
 
 
 async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding]) -> RunningServer:
@@ -166,6 +202,7 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
             endpoint_id=config.endpoint_id,
             ttl=config.lease_ttl,
             labels=config.labels,
+            lease_file=config.lease_file,
         )
         await lease.start()
     if config.ready_file is not None:
@@ -224,6 +261,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_name: str) 
     parser.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM")
     parser.add_argument("--ready-file", type=Path, help="write the bound address here once serving")
     parser.add_argument(
+        "--lease-file",
+        type=Path,
+        help="keep the registry lease id here (mode 0600): restarted, the server replaces its own entry at once",
+    )
+    parser.add_argument(
         "--max-inflight-calls",
         type=int,
         default=DEFAULT_MAX_INFLIGHT_CALLS,
@@ -245,6 +287,7 @@ def config_from_arguments(args: argparse.Namespace) -> ServerConfig:
         grace=args.grace,
         ready_file=args.ready_file,
         max_inflight_calls=args.max_inflight_calls,
+        lease_file=args.lease_file,
     )
 
 
