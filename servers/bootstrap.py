@@ -34,7 +34,7 @@ from gymrpc.channels import server_options
 from gymrpc.ids import check_endpoint_id, check_service_name
 from gymrpc.registry import NameLease, RegistryClient
 from gymrpc.rundir import write_text_atomic
-from servers.guard import DEFAULT_MAX_INFLIGHT_CALLS, Admission, guard_servicer
+from servers.guard import DEFAULT_MAX_INFLIGHT_CALLS, Admission, SafeDecoding, guard_servicer
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
         guarded = guard_servicer(
             b.servicer, b.descriptor, token=config.token, control_methods=b.control_methods, admission=admission
         )
-        b.add_to_server(guarded, server)
+        b.add_to_server(guarded, SafeDecoding(server))
     names = [b.descriptor.full_name for b in bindings]
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server

@@ -21,6 +21,7 @@ plane adds what must be the same everywhere:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import os
@@ -46,6 +47,10 @@ from gymrpc.v1 import participant_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_GRACE = 120.0
+PERMANENT_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP}
+)
+"""Write failures a retried commit cannot fix (FAILED_PRECONDITION); others (ENOSPC, EIO) may pass (UNAVAILABLE)."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +308,14 @@ class ControlPlane:
                 reason="STALE_CHECKPOINT",
             ) from None
         except OSError as exc:
+            if exc.errno in PERMANENT_ERRNOS:
+                path = exc.filename or root
+                raise FailedPrecondition(
+                    f"writing checkpoint {write.checkpoint_id!r} failed: {exc.strerror} ({path}); a retry will not "
+                    "help: fix the checkpoint folder or commit to another one",
+                    reason="STORAGE_FAILURE",
+                    metadata={"path": str(path), "errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))},
+                ) from None
             raise Unavailable(
                 f"writing checkpoint {write.checkpoint_id!r} failed: {exc}; retry the commit",
                 reason="BACKEND_FAILURE",

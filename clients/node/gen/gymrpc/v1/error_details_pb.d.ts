@@ -180,6 +180,161 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_OVERLOADED = 21;
    */
   OVERLOADED = 21,
+
+  /**
+   * A checkpoint folder has no index: some member's commit failed or its
+   * controller stopped before indexing it. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_CHECKPOINT_INCOMPLETE = 22;
+   */
+  CHECKPOINT_INCOMPLETE = 22,
+
+  /**
+   * The request id was already used by a request with other content.
+   * Code ALREADY_EXISTS.
+   *
+   * @generated from enum value: ERROR_REASON_REQUEST_ID_REUSED = 23;
+   */
+  REQUEST_ID_REUSED = 23,
+
+  /**
+   * A bug or unexpected failure in the server; `metadata.error_id` finds it in
+   * the server's log. Code INTERNAL.
+   *
+   * @generated from enum value: ERROR_REASON_INTERNAL = 24;
+   */
+  INTERNAL = 24,
+
+  /**
+   * The request bytes do not decode as the method's message (malformed
+   * protobuf, invalid UTF-8 in a string field). Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_MALFORMED_MESSAGE = 25;
+   */
+  MALFORMED_MESSAGE = 25,
+
+  /**
+   * Checkpoint storage failed for a reason a retry will not fix (no such
+   * folder, not a folder, no permission, read-only); `metadata.path` names it.
+   * Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_STORAGE_FAILURE = 26;
+   */
+  STORAGE_FAILURE = 26,
+
+  /**
+   * The scripted model backend has no reply for this turn. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_NO_SCRIPTED_REPLY = 27;
+   */
+  NO_SCRIPTED_REPLY = 27,
+
+  /**
+   * The inference engine is saturated; retry later. Code RESOURCE_EXHAUSTED.
+   *
+   * @generated from enum value: ERROR_REASON_ENGINE_BUSY = 28;
+   */
+  ENGINE_BUSY = 28,
+
+  /**
+   * The inference engine refused the request. Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_ENGINE_REJECTED = 29;
+   */
+  ENGINE_REJECTED = 29,
+
+  /**
+   * The upstream model server refused the request. Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_REJECTED = 30;
+   */
+  UPSTREAM_REJECTED = 30,
+
+  /**
+   * The upstream model server does not know the model or route. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_UPSTREAM_NOT_FOUND = 31;
+   */
+  UPSTREAM_NOT_FOUND = 31,
+
+  /**
+   * A rollout failed in the collector itself (recorded in results, not sent
+   * by a server). Code UNKNOWN.
+   *
+   * @generated from enum value: ERROR_REASON_COLLECTOR_ERROR = 32;
+   */
+  COLLECTOR_ERROR = 32,
+
+  /**
+   * The operation's precondition does not hold; the message says which.
+   * Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_FAILED_PRECONDITION = 33;
+   */
+  FAILED_PRECONDITION = 33,
+
+  /**
+   * The operation was aborted (a conflict); the message says which. Code ABORTED.
+   *
+   * @generated from enum value: ERROR_REASON_ABORTED = 34;
+   */
+  ABORTED = 34,
+
+  /**
+   * The thing to create exists already. Code ALREADY_EXISTS.
+   *
+   * @generated from enum value: ERROR_REASON_ALREADY_EXISTS = 35;
+   */
+  ALREADY_EXISTS = 35,
+
+  /**
+   * A limit was reached; the message says which. Code RESOURCE_EXHAUSTED.
+   *
+   * @generated from enum value: ERROR_REASON_RESOURCE_EXHAUSTED = 36;
+   */
+  RESOURCE_EXHAUSTED = 36,
+
+  /**
+   * The service is unavailable; retry. Code UNAVAILABLE.
+   *
+   * @generated from enum value: ERROR_REASON_UNAVAILABLE = 37;
+   */
+  UNAVAILABLE = 37,
+
+  /**
+   * The call was cancelled. Code CANCELLED.
+   *
+   * @generated from enum value: ERROR_REASON_CANCELLED = 38;
+   */
+  CANCELLED = 38,
+
+  /**
+   * The caller may not do this. Code PERMISSION_DENIED.
+   *
+   * @generated from enum value: ERROR_REASON_PERMISSION_DENIED = 39;
+   */
+  PERMISSION_DENIED = 39,
+
+  /**
+   * A value is past the end of a valid range. Code OUT_OF_RANGE.
+   *
+   * @generated from enum value: ERROR_REASON_OUT_OF_RANGE = 40;
+   */
+  OUT_OF_RANGE = 40,
+
+  /**
+   * The method is not implemented by this server. Code UNIMPLEMENTED.
+   *
+   * @generated from enum value: ERROR_REASON_UNIMPLEMENTED = 41;
+   */
+  UNIMPLEMENTED = 41,
+
+  /**
+   * An error without a more specific reason. Code UNKNOWN.
+   *
+   * @generated from enum value: ERROR_REASON_UNKNOWN = 42;
+   */
+  UNKNOWN = 42,
 }
 
 /**
