@@ -47,8 +47,15 @@ def sources_of(replicas: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
 
 
 def manifest_path(kind: int, name: str, endpoint_id: str) -> str:
-    """`<kind>/<instance>[#<endpoint_id>]/manifest.json`, relative to the checkpoint folder."""
+    """`<kind>/<folder>[#<endpoint_id>]/manifest.json`, relative to the checkpoint folder (`store.name_folder`)."""
     return str(store.participant_dir(Path(), Kind(kind), name, endpoint_id or "0") / store.MANIFEST)
+
+
+def manifest_paths(kind: int, name: str, endpoint_id: str) -> tuple[str, ...]:
+    """Where an index may list a member's manifest: `manifest_path`, or its legacy place (`store.legacy_dir`)."""
+    legacy = store.legacy_dir(Path(), Kind(kind), name, endpoint_id or "0")
+    current = manifest_path(kind, name, endpoint_id)
+    return (current,) if legacy is None else (current, str(legacy / store.MANIFEST))
 
 
 def _index_text(index: pb.CheckpointIndex) -> str:
@@ -139,11 +146,12 @@ def read_index(folder: Path) -> pb.CheckpointIndex:
     seen: set[tuple[str, str]] = set()
     for member in index.members:
         try:
-            expected = manifest_path(member.kind, member.name, check_endpoint_id(member.endpoint_id))
+            allowed = manifest_paths(member.kind, member.name, check_endpoint_id(member.endpoint_id))
         except (InvalidArgument, ValueError) as exc:
             problems.append(f"member {member.name[:140]!r}: {exc}")
             continue
-        if member.manifest_path != expected or (member.name, member.endpoint_id) in seen:
+        expected = member.manifest_path
+        if expected not in allowed or (member.name, member.endpoint_id) in seen:
             problems.append(f"{member.name!r} replica {member.endpoint_id!r} is listed at {member.manifest_path!r}")
             continue
         seen.add((member.name, member.endpoint_id))

@@ -3,8 +3,13 @@
     <checkpoint_dir>/<kind>/<instance>/records-<sha256>.bin   delimited CheckpointRecord messages
     <checkpoint_dir>/<kind>/<instance>/manifest.json          CheckpointManifest, create-only
 
+The folder is keyed by the whole name: `<instance>` when the name's role is the kind's folder
+(`resources/counter` -> `resources/counter`), `<role>%2F<instance>` otherwise (`tools/x` ->
+`resources/tools%2Fx`), so two names of one kind never share a folder (`%` never occurs in a
+service name). Checkpoints written before that kept such names under `<instance>` alone; the
+readers still find them there (`legacy_dir`) when the manifest there is the name's.
 Replicas of one name each write their own folder: replica `0` (the only one without
-replicas) `<instance>`, replica `k` `<instance>#k` (`#` never occurs in a service name).
+replicas) `<folder>`, replica `k` `<folder>#k` (`#` never occurs in a service name).
 
 One records file per participant keeps filesystem metadata work constant however many
 episodes are in flight. The manifest is the commit point: it is created with `os.link`
@@ -99,30 +104,67 @@ def check_checkpoint_dir(value: str) -> Path:
     return path
 
 
+def name_folder(kind: Kind, name: str) -> str:
+    """The folder a name's checkpoints go in under its kind's: the instance when the role is the kind,
+    else the whole name with its slash escaped (`tools/x` -> `tools%2Fx`)."""
+    role, _, instance = check_service_name(name).partition("/")
+    return instance if role == kind.folder else f"{role}%2F{instance}"
+
+
+def _with_replica(folder: str, endpoint_id: str) -> str:
+    return folder if check_endpoint_id(endpoint_id) == "0" else f"{folder}#{endpoint_id}"
+
+
 def participant_dir(root: Path, kind: Kind, name: str, endpoint_id: str = "0") -> Path:
-    """`<root>/<kind>/<instance>` (replica `0`) or `<root>/<kind>/<instance>#<endpoint_id>`."""
-    check_service_name(name)
-    instance = name.partition("/")[2]
-    return root / kind.folder / (instance if check_endpoint_id(endpoint_id) == "0" else f"{instance}#{endpoint_id}")
+    """`<root>/<kind>/<folder>` (replica `0`) or `<root>/<kind>/<folder>#<endpoint_id>` (`name_folder`)."""
+    return root / kind.folder / _with_replica(name_folder(kind, name), endpoint_id)
+
+
+def legacy_dir(root: Path, kind: Kind, name: str, endpoint_id: str = "0") -> Path | None:
+    """Where checkpoints written before `name_folder` kept `name`, if that is elsewhere: `<kind>/<instance>`."""
+    if name_folder(kind, name) == (instance := name.partition("/")[2]):
+        return None
+    return root / kind.folder / _with_replica(instance, endpoint_id)
+
+
+def _holds(folder: Path, name: str) -> bool:
+    """The folder's manifest is `name`'s (a legacy folder may hold another name's of the same instance)."""
+    try:
+        manifest = _load_manifest(folder / MANIFEST)
+    except DataLoss:
+        return False
+    return manifest is not None and manifest.name == name
 
 
 def replica_ids(root: Path, kind: Kind, name: str) -> list[str]:
     """Endpoint ids of the replicas of `name` whose folder under `root` holds a manifest, sorted.
 
     What a restore onto any number of replicas reads from (`RestoreRequest.source_endpoint_ids`).
+    A folder counts when its manifest is this name's (in the legacy layout, another name's may be there).
     """
-    check_service_name(name)
-    instance = name.partition("/")[2]
-    try:
-        entries = list(os.scandir(root / kind.folder))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = []
-    for entry in entries:
-        endpoint = "0" if entry.name == instance else entry.name.removeprefix(f"{instance}#")
-        if endpoint != entry.name and ENDPOINT_ID.fullmatch(endpoint) and os.path.isfile(Path(entry.path, MANIFEST)):
-            found.append(endpoint)
+    found = set()
+    legacy = legacy_dir(root, kind, name)
+    for prefix in (name_folder(kind, name), None if legacy is None else legacy.name):
+        if prefix is None:
+            continue
+        try:
+            entries = list(os.scandir(root / kind.folder))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        for entry in entries:
+            endpoint = "0" if entry.name == prefix else entry.name.removeprefix(f"{prefix}#")
+            if endpoint != entry.name and ENDPOINT_ID.fullmatch(endpoint) and _holds(Path(entry.path), name):
+                found.add(endpoint)
     return sorted(found)
+
+
+def checkpoint_dir_of(root: Path, kind: Kind, name: str, endpoint_id: str = "0") -> Path:
+    """The folder holding `name`'s part of the checkpoint at `root`: its own, else a legacy one that holds it."""
+    folder = participant_dir(root, kind, name, endpoint_id)
+    legacy = legacy_dir(root, kind, name, endpoint_id)
+    if legacy is not None and not os.path.lexists(folder / MANIFEST) and _holds(legacy, name):
+        return legacy
+    return folder
 
 
 def write_checkpoint(
@@ -187,7 +229,7 @@ def read_checkpoint(
     Reads regular files only and never more than the manifest's `size_bytes` (`gymrpc.safeio`);
     `stop` set (the restore's deadline passed) ends the read with `safeio.ReadStopped`.
     """
-    folder = participant_dir(root, kind, name, endpoint_id)
+    folder = checkpoint_dir_of(root, kind, name, endpoint_id)
     manifest = _load_manifest(folder / MANIFEST)
     if manifest is None:
         replica = "" if endpoint_id == "0" else f" replica {endpoint_id}"

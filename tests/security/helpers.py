@@ -30,9 +30,9 @@ from gymrpc.channels import service_channel_options
 from gymrpc.errors import DOMAIN
 from gymrpc.v1 import participant_service_pb2 as pb
 from gymrpc.v1 import participant_service_pb2_grpc as pb_grpc
+from tests.control.deployment import TOKEN  # one token, so DirectClient and Controller reach these servers too
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "security-test-token"
 CONTROL = (("authorization", f"Bearer {TOKEN}"),)
 
 
