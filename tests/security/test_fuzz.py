@@ -44,6 +44,8 @@ from tests.security.helpers import CONTROL, ServerProcess, channel, error_info, 
 FAST_EXAMPLES = 8
 SLOW_EXAMPLES = 150
 CALL_TIMEOUT = 5.0
+ENDLESS_TIMEOUT = 0.5
+"""`Watch` never ends by itself: each example's stream is cut by this deadline."""
 SERVICES = {
     "AgentService": agent_service_pb2,
     "ResourcesService": resources_service_pb2,
@@ -238,7 +240,8 @@ async def call(stack: Stack, service: str, method: MethodDescriptor, request: An
         failed: grpc.aio.AioRpcError | None = None
         try:
             if method.server_streaming:
-                stream = ch.unary_stream(path)(payload, timeout=CALL_TIMEOUT, metadata=metadata)
+                timeout = ENDLESS_TIMEOUT if method.name == "Watch" else CALL_TIMEOUT
+                stream = ch.unary_stream(path)(payload, timeout=timeout, metadata=metadata)
                 for _ in range(20):  # an endless stream (Watch) is cut by the deadline or here
                     if await stream.read() == grpc.aio.EOF:
                         break
@@ -290,6 +293,7 @@ def test_fuzz(stack: Stack, service: str, method: MethodDescriptor) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize(("service", "method"), METHODS, ids=[f"{s}.{m.name}" for s, m in METHODS])
 def test_fuzz_slow(stack: Stack, service: str, method: MethodDescriptor) -> None:
     fuzz(stack, service, method, SLOW_EXAMPLES)

@@ -249,6 +249,7 @@ def test_attempt_out_of_range_is_refused_everywhere(
             channel(model_server.address) as mch,
         ):
             says = "episode_id.attempt"
+            agent_before = comparable(await participant_status(agent.address))
             run = agent_pb.RunRequest(episode_id=big, task=counter_task("count", 0, 3))
             await refused(agent_grpc.AgentServiceStub(ach).Run(run, timeout=30), INVALID, "INVALID_REQUEST", says=says)
             task = counter_task("count", 0, 3)
@@ -262,7 +263,8 @@ def test_attempt_out_of_range_is_refused_everywhere(
             gen = generate_request("g9")
             gen.episode_id.CopyFrom(big)
             await refused(model_grpc.ModelServiceStub(mch).Generate(gen, timeout=30), INVALID, "INVALID_REQUEST")
-            for server in (resources_server, model_server):
+            assert comparable(await participant_status(agent.address)) == agent_before
+            for server in (resources_server, model_server, agent):
                 async with channel(server.address) as ch:
                     before = comparable(await participant_status(server.address))
                     await refused(
