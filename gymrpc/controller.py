@@ -39,8 +39,10 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from gymrpc.client import Client
 from gymrpc.control.index import endpoint_order, index_sources, read_index, sources_of, write_index
+from gymrpc.control.store import checkpoint_episodes
 from gymrpc.control.types import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind
-from gymrpc.errors import GymrpcError, Unimplemented
+from gymrpc.errors import DataLoss, GymrpcError, InvalidArgument, NotFound, Unimplemented
+from gymrpc.ids import check_attempt, check_id
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import participant_service_pb2 as pb
@@ -58,6 +60,10 @@ class CoordinationError(Exception):
         self.operation, self.failures = operation, failures
         detail = "; ".join(f"{name}: {err}" for name, err in sorted(failures.items()))
         super().__init__(f"{operation} failed on {len(failures)} participant(s): {detail}")
+
+
+_REFUSED_BEFORE_INSTALL = (InvalidArgument, NotFound, DataLoss)
+"""Restore refusals a participant gives only before it installs anything (bad request, data)."""
 
 
 def _label(name: str, endpoint_id: str | None, replicas: int) -> str:
@@ -344,10 +350,21 @@ class Controller:
         placed sessions of these names (`Client.refresh`): they are where `place` says.
         """
         episodes = list(episode_ids)
+        for index, episode in enumerate(episodes):  # refused here, before any participant is asked
+            check_id(episode.rollout_id, f"episode_ids[{index}].rollout_id")
+            check_attempt(episode.attempt, f"episode_ids[{index}].attempt")
         deadline = time.time() + timeout
         folder = _absolute(checkpoint_dir)
         if sources is None:
             sources = index_sources(await asyncio.to_thread(read_index, Path(folder)))
+            held = await asyncio.to_thread(checkpoint_episodes, Path(folder))
+            if missing := [e for e in episodes if e not in held]:
+                shown = ", ".join(map(str, missing[:10]))
+                raise NotFound(
+                    f"checkpoint {folder[:200]} holds no episode {shown}{' ...' if len(missing) > 10 else ''}; "
+                    "nothing was restored",
+                    metadata={"episodes": shown, "missing": str(len(missing))},
+                )
         # Placement is over the replicas registered now, never over those of a stack seen earlier.
         members = await (self.discover() if getattr(self.client, "registry", None) is not None else self._members())
         replicas: dict[str, list[str]] = {}
@@ -377,11 +394,16 @@ class Controller:
             replies = await self._fan(
                 "restore", members, lambda m: self._stub(m).Restore(request(m), timeout=self._left(deadline))
             )
-        except CoordinationError:
+        except CoordinationError as exc:
             cleanup = max(deadline - time.time(), CLEANUP_SECONDS)
             replacements = [e.next() for e in episodes]
+            # Every member refused before installing anything: there is nothing to undo, and fencing the
+            # next attempts would change processes that are still as they were (all or nothing).
+            refused = len(exc.failures) == len(members) and all(
+                type(e) in _REFUSED_BEFORE_INSTALL for e in exc.failures.values()
+            )
             try:
-                if replacements:
+                if replacements and not refused:
                     await self.retire(new_checkpoint_id("undo"), replacements, timeout=cleanup)
             finally:
                 await self.resume(restore_id)

@@ -273,7 +273,7 @@ def _inspect(args: argparse.Namespace) -> int:
     for member in index.members:
         label = member.name if member.endpoint_id == "0" else f"{member.name}#{member.endpoint_id}"
         path = folder / member.manifest_path
-        manifests[label] = store.parse_manifest(path.read_bytes(), path)
+        manifests[label] = store.parse_manifest(store.read_manifest_bytes(path), path)
     if args.json:
         report = {"checkpoint_dir": str(folder), "restorable": True, "index": _dict(index)}
         print(json.dumps(report | {"manifests": {n: _dict(m) for n, m in manifests.items()}}, indent=2))

@@ -18,6 +18,11 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 DOMAIN = "gymrpc.v1"
+MAX_MESSAGE_CHARS = 2000
+"""A status message longer than this is cut: it travels in `grpc-message`, a header that gRPC limits."""
+MAX_METADATA_ENTRIES = 16
+MAX_METADATA_CHARS = 512
+"""ErrorInfo metadata is bounded too: it travels in the `grpc-status-details-bin` trailer."""
 
 _BY_CODE: dict[grpc.StatusCode, type[GymrpcError]] = {}
 
@@ -56,13 +61,15 @@ class GymrpcError(Exception):
         return f"{self.code.name} {self.reason}: {self.message}"
 
     def to_status(self) -> grpc.Status:
-        """The rich status a server sends for this error."""
-        details = [_pack(error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN, metadata=self.metadata))]
+        """The rich status a server sends for this error, its message and metadata bounded."""
+        metadata = {k[:64]: str(v)[:MAX_METADATA_CHARS] for k, v in list(self.metadata.items())[:MAX_METADATA_ENTRIES]}
+        details = [_pack(error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN, metadata=metadata))]
         if self.retry_delay is not None:
             delay = duration_pb2.Duration()
             delay.FromNanoseconds(int(self.retry_delay * 1e9))
             details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
-        status = status_pb2.Status(code=self.code.value[0], message=self.message, details=details)
+        message = self.message if len(self.message) <= MAX_MESSAGE_CHARS else self.message[:MAX_MESSAGE_CHARS] + " ..."
+        status = status_pb2.Status(code=self.code.value[0], message=message, details=details)
         return rpc_status.to_status(status)
 
 

@@ -16,13 +16,36 @@ NAME_PART = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 """Each half of a service name `role/instance`."""
 ENDPOINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_ADDRESS_LEN = 256
+MAX_ATTEMPT = 2**32 - 2
+"""The largest episode attempt a request may name: a restore continues attempt N as N + 1, which
+must still fit the wire's uint32."""
+
+
+MAX_SHOWN = 64
+"""Characters of a refused value quoted in an error message (the value, bounded, is in its metadata)."""
+
+
+def shown(value: str) -> str:
+    """`value` quoted for an error message, cut to `MAX_SHOWN` characters: a huge id must not make the
+    error itself too large to send."""
+    return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}... ({len(value)} characters)"
 
 
 def check_id(value: str, field: str) -> str:
     """Validate a rollout, session or checkpoint id."""
     if not ROLLOUT_ID.fullmatch(value) or value in {".", ".."}:
         raise InvalidArgument(
-            f"{field} {value!r} is invalid: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$",
+            f"{field} {shown(value)} is invalid: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$",
+            metadata={"field": field, "value": value},
+        )
+    return value
+
+
+def check_attempt(value: int, field: str) -> int:
+    """Validate an episode attempt (a uint32 on the wire; its successor must be one too)."""
+    if not 0 <= value <= MAX_ATTEMPT:
+        raise InvalidArgument(
+            f"{field} {value} is out of range: attempts are 0..{MAX_ATTEMPT} (a restore continues one as attempt + 1)",
             metadata={"field": field},
         )
     return value
@@ -33,7 +56,7 @@ def check_service_name(name: str, field: str = "name") -> str:
     role, sep, instance = name.partition("/")
     if not sep or not NAME_PART.fullmatch(role) or not NAME_PART.fullmatch(instance):
         raise InvalidArgument(
-            f"{field} {name!r} is invalid: expected 'role/instance', each part lowercase "
+            f"{field} {shown(name)} is invalid: expected 'role/instance', each part lowercase "
             "letters, digits, '_', '.', '-' (at most 63 characters)",
             metadata={"field": field, "name": name[:200]},
         )
@@ -44,8 +67,8 @@ def check_endpoint_id(value: str) -> str:
     """Validate a replica id behind a name."""
     if not ENDPOINT_ID.fullmatch(value):
         raise InvalidArgument(
-            f"endpoint_id {value!r} is invalid: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,63}}$",
-            metadata={"field": "endpoint_id"},
+            f"endpoint_id {shown(value)} is invalid: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,63}}$",
+            metadata={"field": "endpoint_id", "value": value},
         )
     return value
 

@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from gymrpc import safejson
 from gymrpc.envkit import TaskSpec, ToolSpec
 from gymrpc.errors import InvalidArgument
 from gymrpc.v1 import common_pb2
@@ -84,7 +85,7 @@ def tool_definition_to_dict(tool: common_pb2.ToolDefinition) -> dict[str, Any]:
         "function": {
             "name": tool.name,
             "description": tool.description,
-            "parameters": json.loads(tool.parameters_json_schema or "{}"),
+            "parameters": parse_json_object(tool.parameters_json_schema, "parameters_json_schema"),
         },
     }
 
@@ -94,8 +95,10 @@ def parse_json_object(text: str, field: str) -> dict[str, Any]:
     if not text:
         return {}
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
+        value = safejson.loads(text)
+    except safejson.JsonLimit as exc:
+        raise InvalidArgument(f"{field} is refused: {exc}", metadata={"field": field}) from None
+    except ValueError as exc:
         raise InvalidArgument(f"{field} is not valid JSON: {exc}", metadata={"field": field}) from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"{field} must be a JSON object, got {type(value).__name__}", metadata={"field": field})

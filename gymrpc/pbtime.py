@@ -19,3 +19,30 @@ def duration(seconds: float) -> duration_pb2.Duration:
 
 def seconds(value: duration_pb2.Duration | timestamp_pb2.Timestamp) -> float:
     return value.ToNanoseconds() / 1e9
+
+
+MAX_TIMESTAMP_SECONDS = 253_402_300_799
+"""9999-12-31T23:59:59Z, the last second a Timestamp may hold (and the first is year 1)."""
+MIN_TIMESTAMP_SECONDS = -62_135_596_800
+MAX_DURATION_SECONDS = 315_576_000_000
+
+
+def request_seconds(value: duration_pb2.Duration | timestamp_pb2.Timestamp, field: str) -> float:
+    """`seconds` of a value from a request, checked first: INVALID_ARGUMENT naming `field` when it is not
+    a valid Timestamp / Duration (nanos out of range, signs that disagree, past year 9999)."""
+    from gymrpc.errors import InvalidArgument
+
+    if isinstance(value, timestamp_pb2.Timestamp):
+        ok = MIN_TIMESTAMP_SECONDS <= value.seconds <= MAX_TIMESTAMP_SECONDS and 0 <= value.nanos < 1_000_000_000
+    else:
+        ok = (
+            abs(value.seconds) <= MAX_DURATION_SECONDS
+            and abs(value.nanos) < 1_000_000_000
+            and (value.seconds == 0 or value.nanos == 0 or (value.seconds > 0) == (value.nanos > 0))
+        )
+    if not ok:
+        raise InvalidArgument(
+            f"{field} ({value.seconds} s, {value.nanos} ns) is not a valid {type(value).__name__}",
+            metadata={"field": field},
+        )
+    return seconds(value)

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from gymrpc.registry import NameLease, RegistryClient
 from gymrpc.rundir import write_text_atomic
 from gymrpc.tls import TlsFiles, is_loopback_bind
 from servers.credentials import DataPlaneCredentials
-from servers.guard import DEFAULT_MAX_INFLIGHT_CALLS, Admission, guard_servicer
+from servers.guard import DEFAULT_MAX_INFLIGHT_CALLS, Admission, SafeDecoding, guard_servicer
 from servers.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class ServerConfig:
     (`servers.credentials`); False opens the data plane (benchmarks)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics over HTTP on this port of the bind host (0: a free one); None: off."""
+    lease_file: Path | None = None
+    """Keeps the registry lease id across restarts, so a restarted server replaces its own entry."""
 
 
 class RunningServer:
@@ -157,8 +160,41 @@ def _bind(server: grpc.aio.Server, bind: str, tls: TlsFiles | None) -> tuple[str
     port = add_port(bind)
     if port == 0:
         raise RuntimeError(f"could not bind {bind}")
-    advertised = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
-    return f"{advertised}:{port}", None
+    return f"{advertised_host(host)}:{port}", None
+
+
+WILDCARDS = ("", "0.0.0.0", "[::]", "::")
+
+
+def advertised_host(host: str) -> str:
+    """The host to register for a bind: the host itself, or for a wildcard this machine's address.
+
+    A wildcard listens on every interface, so the server is reachable from the network: say so,
+    and advertise an address other machines can use rather than a loopback one that hides it.
+    """
+    if host not in WILDCARDS:
+        return host
+    address = node_address()
+    log.warning(
+        "listening on every interface (%s): anyone who can reach this machine can call this server; "
+        "advertising %s. Bind 127.0.0.1 (or a unix socket) unless it must be reachable from other hosts",
+        host or "*",
+        address,
+        extra={"bind": host or "*", "advertised": address},
+    )
+    return address
+
+
+def node_address() -> str:
+    """This machine's primary IPv4 address (the source of its default route), else 127.0.0.1."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: picks the outgoing interface, sends nothing
+        address = probe.getsockname()[0]
+        if address and not address.startswith("0."):
+            return str(address)
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"
 
 
 class TransportRefused(RuntimeError):
@@ -199,7 +235,7 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
             admission=admission,
             metrics=metrics,
         )
-        b.add_to_server(guarded, server)
+        b.add_to_server(guarded, SafeDecoding(server))
     names = [b.descriptor.full_name for b in bindings]
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -223,6 +259,7 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
             endpoint_id=config.endpoint_id,
             ttl=config.lease_ttl,
             labels=labels,
+            lease_file=config.lease_file,
         )
         await lease.start()
     if config.ready_file is not None:
@@ -292,6 +329,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_name: str) 
     parser.add_argument("--grace", type=float, default=5.0, help="seconds to drain calls on SIGTERM")
     parser.add_argument("--ready-file", type=Path, help="write the bound address here once serving")
     parser.add_argument(
+        "--lease-file",
+        type=Path,
+        help="keep the registry lease id here (mode 0600): restarted, the server replaces its own entry at once",
+    )
+    parser.add_argument(
         "--max-inflight-calls",
         type=int,
         default=DEFAULT_MAX_INFLIGHT_CALLS,
@@ -341,6 +383,7 @@ def config_from_arguments(args: argparse.Namespace) -> ServerConfig:
         insecure=args.insecure,
         data_plane_credentials=args.data_plane_credentials,
         metrics_port=args.metrics_port,
+        lease_file=args.lease_file,
     )
 
 

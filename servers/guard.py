@@ -20,7 +20,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.rpc import error_details_pb2, status_pb2
 
 from gymrpc import auth
-from gymrpc.errors import GymrpcError, Internal, ResourceExhausted, Unauthenticated
+from gymrpc.errors import GymrpcError, Internal, InvalidArgument, ResourceExhausted, Unauthenticated
 from servers.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,59 @@ class Admission:
 
 class _Guarded:
     """Plain attribute bag that the generated `add_*_to_server` reads methods from."""
+
+
+class Undecodable:
+    """What a request deserializer gives for bytes that are not the method's message (`SafeDecoding`).
+
+    gRPC answers a deserializer that raises with a bare UNKNOWN; handing this to the method instead
+    lets the guard refuse it as INVALID_ARGUMENT `MALFORMED_MESSAGE`, before anything runs.
+    """
+
+    __slots__ = ("problem",)
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _decoding(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as exc:  # DecodeError (malformed bytes, invalid UTF-8), RecursionError, ...
+            return Undecodable(f"{type(exc).__name__}: {exc}"[:200])
+
+    return decode
+
+
+class SafeDecoding:
+    """Stands in for the server while a generated `add_*_to_server` adds a service, so that every
+    request deserializer of it turns bytes that do not decode into an `Undecodable`."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: `add_registered_method_handlers` (called with the same handlers) adds both forms."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        safe = {
+            name: h._replace(request_deserializer=_decoding(h.request_deserializer)) for name, h in handlers.items()
+        }
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, safe),))
+        self._server.add_registered_method_handlers(service, safe)
+
+
+async def _refuse_undecodable(request: Undecodable, context: grpc.aio.ServicerContext, method: str) -> None:
+    err = InvalidArgument(
+        f"{method}: the request does not decode as its message ({request.problem}); nothing was done",
+        reason="MALFORMED_MESSAGE",
+        metadata={"method": method},
+    )
+    await context.abort_with_status(err.to_status())
 
 
 def guard_servicer(
@@ -130,6 +183,8 @@ def _wrap_unary(impl: Callable[..., Any], method: str, token: str | None, admiss
 
     @functools.wraps(impl)
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if type(request) is Undecodable:
+            await _refuse_undecodable(request, context, method)
         if admission.inflight >= admission.limit:
             await context.abort_with_status(admission.refusal(method).to_status())
         admission.inflight += 1
@@ -153,6 +208,8 @@ def _wrap_stream(impl: Callable[..., Any], method: str, token: str | None, admis
 
     @functools.wraps(impl)
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if type(request) is Undecodable:
+            await _refuse_undecodable(request, context, method)
         if admission.inflight >= admission.limit:
             await context.abort_with_status(admission.refusal(method).to_status())
         admission.inflight += 1

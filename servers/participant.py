@@ -16,7 +16,7 @@ from gymrpc.control import ControlPlane, Participant
 from gymrpc.control.plane import DEFAULT_LEASE_GRACE, Placement
 from gymrpc.control.types import episode_keys
 from gymrpc.errors import InvalidArgument
-from gymrpc.pbtime import seconds, timestamp
+from gymrpc.pbtime import request_seconds, timestamp
 from gymrpc.v1 import participant_service_pb2 as pb
 from gymrpc.v1 import participant_service_pb2_grpc as pb_grpc
 from servers.bootstrap import ServerConfig, ServiceBinding
@@ -30,7 +30,7 @@ def _deadline(
 ) -> float:
     if not request.HasField("deadline"):
         raise InvalidArgument("deadline is required (an absolute time)", metadata={"field": "deadline"})
-    return seconds(request.deadline)
+    return request_seconds(request.deadline, "deadline")
 
 
 class ParticipantServicer(pb_grpc.ParticipantServiceServicer):

@@ -19,7 +19,6 @@ Pandas work is not cheap, so the host runs every method in its thread pool.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -34,6 +33,7 @@ from envs.workplace_assistant._data import (
     table_columns,
 )
 from envs.workplace_assistant.tools import ToolBox
+from gymrpc import safejson
 from gymrpc.envkit import (
     CheckpointMode,
     InvalidTask,
@@ -195,7 +195,7 @@ def _ground_truth(value: Any, where: str) -> list[dict[str, str]]:
         if not isinstance(call["name"], str) or not isinstance(call["arguments"], str):
             raise InvalidTask(f"{where}: ground_truth[{index}] name and arguments must be strings")
         try:
-            arguments = json.loads(call["arguments"])
+            arguments = safejson.loads(call["arguments"])
         except ValueError:
             arguments = None
         if not isinstance(arguments, dict):

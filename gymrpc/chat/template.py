@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -87,19 +88,22 @@ class CompletionMemory:
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
         self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()  # the model server renders in worker threads
 
     def remember(self, prompt_ids: Sequence[int], message: Message, completion_ids: Sequence[int]) -> None:
         key = self._key(prompt_ids, message)
-        self._ids[key] = tuple(completion_ids)
-        self._ids.move_to_end(key)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+        with self._lock:
+            self._ids[key] = tuple(completion_ids)
+            self._ids.move_to_end(key)
+            while len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
 
     def recall(self, prompt_ids: Sequence[int], message: Message) -> tuple[int, ...] | None:
         key = self._key(prompt_ids, message)
-        ids = self._ids.get(key)
-        if ids is not None:
-            self._ids.move_to_end(key)
+        with self._lock:
+            ids = self._ids.get(key)
+            if ids is not None:
+                self._ids.move_to_end(key)
         return ids
 
     def __len__(self) -> int:

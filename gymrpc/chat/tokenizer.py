@@ -19,6 +19,8 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 REQUIRED_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, "<tool_call>", "</tool_call>")
+LONG_TEXT = 1 << 16
+"""Characters beyond which `encode` releases the GIL: `Tokenizer.encode` holds it throughout."""
 
 
 class ChatTokenizer:
@@ -47,6 +49,8 @@ class ChatTokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > LONG_TEXT:  # the batch call lets other threads run meanwhile; the ids are the same
+            return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
+from gymrpc import safeio
 from gymrpc.control import store
 from gymrpc.control.types import Kind
 from gymrpc.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument, NotFound
@@ -46,8 +47,15 @@ def sources_of(replicas: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
 
 
 def manifest_path(kind: int, name: str, endpoint_id: str) -> str:
-    """`<kind>/<instance>[#<endpoint_id>]/manifest.json`, relative to the checkpoint folder."""
+    """`<kind>/<folder>[#<endpoint_id>]/manifest.json`, relative to the checkpoint folder (`store.name_folder`)."""
     return str(store.participant_dir(Path(), Kind(kind), name, endpoint_id or "0") / store.MANIFEST)
+
+
+def manifest_paths(kind: int, name: str, endpoint_id: str) -> tuple[str, ...]:
+    """Where an index may list a member's manifest: `manifest_path`, or its legacy place (`store.legacy_dir`)."""
+    legacy = store.legacy_dir(Path(), Kind(kind), name, endpoint_id or "0")
+    current = manifest_path(kind, name, endpoint_id)
+    return (current,) if legacy is None else (current, str(legacy / store.MANIFEST))
 
 
 def _index_text(index: pb.CheckpointIndex) -> str:
@@ -68,7 +76,7 @@ def write_index(folder: Path, checkpoint_id: str, manifests: Iterable[pb.Checkpo
         relative = manifest_path(manifest.kind, manifest.name, manifest.endpoint_id)
         path = folder / relative
         try:
-            data = path.read_bytes()
+            data = store.read_manifest_bytes(path)
         except FileNotFoundError:
             raise FailedPrecondition(
                 f"{path} does not exist here, though {manifest.name} reported it committed: the controller must "
@@ -138,18 +146,22 @@ def read_index(folder: Path) -> pb.CheckpointIndex:
     seen: set[tuple[str, str]] = set()
     for member in index.members:
         try:
-            expected = manifest_path(member.kind, member.name, check_endpoint_id(member.endpoint_id))
+            allowed = manifest_paths(member.kind, member.name, check_endpoint_id(member.endpoint_id))
         except (InvalidArgument, ValueError) as exc:
             problems.append(f"member {member.name[:140]!r}: {exc}")
             continue
-        if member.manifest_path != expected or (member.name, member.endpoint_id) in seen:
+        expected = member.manifest_path
+        if expected not in allowed or (member.name, member.endpoint_id) in seen:
             problems.append(f"{member.name!r} replica {member.endpoint_id!r} is listed at {member.manifest_path!r}")
             continue
         seen.add((member.name, member.endpoint_id))
         try:
-            data = (folder / expected).read_bytes()
-        except OSError as exc:
+            data = store.read_manifest_bytes(folder / expected)
+        except FileNotFoundError as exc:
             problems.append(f"{expected} cannot be read ({exc.strerror})")
+            continue
+        except DataLoss as exc:
+            problems.append(exc.message)
             continue
         if hashlib.sha256(data).hexdigest() != member.manifest_sha256:
             problems.append(f"{expected} is not the manifest that was committed (sha256 differs)")
@@ -180,8 +192,8 @@ def index_sources(index: pb.CheckpointIndex) -> dict[str, list[str]]:
 def _load_index(path: Path) -> pb.CheckpointIndex:
     index = pb.CheckpointIndex()
     try:
-        json_format.Parse(path.read_text(), index)
-    except (OSError, UnicodeDecodeError, json_format.ParseError) as exc:
+        json_format.Parse(safeio.read_regular(path, limit=store.MAX_MANIFEST_BYTES).decode(), index)
+    except (OSError, safeio.UnsafeFile, UnicodeDecodeError, json_format.ParseError) as exc:
         raise DataLoss(
             f"{path} is not a gymrpc checkpoint index: {exc}", metadata={"checkpoint_dir": str(path.parent)[:200]}
         ) from None

@@ -21,9 +21,11 @@ plane adds what must be the same everywhere:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,13 +40,17 @@ from gymrpc.control.lease import Lease
 from gymrpc.control.participant import Participant, Scope
 from gymrpc.control.replay import Replies, conflict
 from gymrpc.control.types import EpisodeKey, Kind, Phase, Report
-from gymrpc.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from gymrpc.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from gymrpc.ids import check_endpoint_id, check_id, check_service_name
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import participant_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_GRACE = 120.0
+PERMANENT_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP}
+)
+"""Write failures a retried commit cannot fix (FAILED_PRECONDITION); others (ENOSPC, EIO) may pass (UNAVAILABLE)."""
 
 
 @dataclass(frozen=True)
@@ -302,6 +308,14 @@ class ControlPlane:
                 reason="STALE_CHECKPOINT",
             ) from None
         except OSError as exc:
+            if exc.errno in PERMANENT_ERRNOS:
+                path = exc.filename or root
+                raise FailedPrecondition(
+                    f"writing checkpoint {write.checkpoint_id!r} failed: {exc.strerror} ({path}); a retry will not "
+                    "help: fix the checkpoint folder or commit to another one",
+                    reason="STORAGE_FAILURE",
+                    metadata={"path": str(path), "errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))},
+                ) from None
             raise Unavailable(
                 f"writing checkpoint {write.checkpoint_id!r} failed: {exc}; retry the commit",
                 reason="BACKEND_FAILURE",
@@ -377,9 +391,19 @@ class ControlPlane:
                     f"{self.name} cannot restore: {why}; restore only into freshly started processes",
                     metadata={"name": self.name},
                 )
+            stop = threading.Event()
+            reading = asyncio.ensure_future(asyncio.to_thread(self._read, root, sources, stop))
+            reading.add_done_callback(_retrieved)
             try:
                 async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
-                    manifest, records = await asyncio.to_thread(self._read, root, sources)
+                    manifest, records, held = await asyncio.shield(reading)
+                    if missing := sorted(e for e in scope if e not in held):
+                        shown = ", ".join(map(str, missing[:10]))
+                        raise NotFound(
+                            f"checkpoint {manifest.checkpoint_id!r} in {str(root)[:200]} holds no episode "
+                            f"{shown}{' ...' if len(missing) > 10 else ''}; nothing was restored",
+                            metadata={"episodes": shown, "missing": str(len(missing))},
+                        )
                     selected = self.participant.select(records, scope)
                     if replicas:  # only the records placed on this replica
                         selected, placed = self._placed_here(selected, scope, replicas)
@@ -387,9 +411,13 @@ class ControlPlane:
                         placed = scope
                     staged = await self.participant.stage(selected, placed)
             except TimeoutError:
+                stop.set()
+                await asyncio.wait([reading])  # the read ends within a chunk; answer once it has
                 raise DeadlineExceeded(
                     f"restore of {root} did not finish by the deadline; nothing was installed"
                 ) from None
+            finally:
+                stop.set()  # cancelled, or failed elsewhere: the read must not go on without us
             crash_point("restore_before_install")
             await self.participant.close_admission()
             try:
@@ -442,18 +470,21 @@ class ControlPlane:
             )
         return ids["source_endpoint_ids"] or (self.endpoint_id,), replicas
 
-    def _read(self, root: Path, sources: Sequence[str]) -> tuple[pb.CheckpointManifest, list[rec_pb.CheckpointRecord]]:
-        """Every source replica's verified records, in source order; all of one checkpoint."""
-        manifest, records = store.read_checkpoint(root, self.kind, self.name, sources[0])
+    def _read(
+        self, root: Path, sources: Sequence[str], stop: threading.Event
+    ) -> tuple[pb.CheckpointManifest, list[rec_pb.CheckpointRecord], set[tuple[str, int]]]:
+        """Every source replica's verified records, in source order, all of one checkpoint (until `stop`),
+        and the episodes the checkpoint holds (`store.checkpoint_episodes`)."""
+        manifest, records = store.read_checkpoint(root, self.kind, self.name, sources[0], stop)
         for source in sources[1:]:
-            other, more = store.read_checkpoint(root, self.kind, self.name, source)
+            other, more = store.read_checkpoint(root, self.kind, self.name, source, stop)
             if other.checkpoint_id != manifest.checkpoint_id:
                 raise DataLoss(
                     f"{root}: replica {source} of {self.name} holds checkpoint {other.checkpoint_id!r}, replica "
                     f"{sources[0]} holds {manifest.checkpoint_id!r}; nothing was restored"
                 )
             records.extend(more)
-        return manifest, records
+        return manifest, records, store.checkpoint_episodes(root)
 
     def _placed_here(
         self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey], replicas: Sequence[str]

@@ -3,8 +3,13 @@
     <checkpoint_dir>/<kind>/<instance>/records-<sha256>.bin   delimited CheckpointRecord messages
     <checkpoint_dir>/<kind>/<instance>/manifest.json          CheckpointManifest, create-only
 
+The folder is keyed by the whole name: `<instance>` when the name's role is the kind's folder
+(`resources/counter` -> `resources/counter`), `<role>%2F<instance>` otherwise (`tools/x` ->
+`resources/tools%2Fx`), so two names of one kind never share a folder (`%` never occurs in a
+service name). Checkpoints written before that kept such names under `<instance>` alone; the
+readers still find them there (`legacy_dir`) when the manifest there is the name's.
 Replicas of one name each write their own folder: replica `0` (the only one without
-replicas) `<instance>`, replica `k` `<instance>#k` (`#` never occurs in a service name).
+replicas) `<folder>`, replica `k` `<folder>#k` (`#` never occurs in a service name).
 
 One records file per participant keeps filesystem metadata work constant however many
 episodes are in flight. The manifest is the commit point: it is created with `os.link`
@@ -35,10 +40,11 @@ from pathlib import Path
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from gymrpc import safeio
 from gymrpc.control.faults import crash_point
 from gymrpc.control.types import Kind
 from gymrpc.errors import Aborted, DataLoss, InvalidArgument, NotFound
-from gymrpc.ids import ENDPOINT_ID, check_endpoint_id, check_id, check_service_name
+from gymrpc.ids import ENDPOINT_ID, check_attempt, check_endpoint_id, check_id, check_service_name
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
@@ -50,6 +56,8 @@ MANIFEST = "manifest.json"
 RECORDS_FILE = re.compile(r"records-([0-9a-f]{64})\.bin")
 MAX_DIR_LEN = 4096
 MAX_RECORD_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest lists every episode once; 64 MiB is about a million of them."""
 
 
 class WriteStopped(Exception):
@@ -96,30 +104,67 @@ def check_checkpoint_dir(value: str) -> Path:
     return path
 
 
+def name_folder(kind: Kind, name: str) -> str:
+    """The folder a name's checkpoints go in under its kind's: the instance when the role is the kind,
+    else the whole name with its slash escaped (`tools/x` -> `tools%2Fx`)."""
+    role, _, instance = check_service_name(name).partition("/")
+    return instance if role == kind.folder else f"{role}%2F{instance}"
+
+
+def _with_replica(folder: str, endpoint_id: str) -> str:
+    return folder if check_endpoint_id(endpoint_id) == "0" else f"{folder}#{endpoint_id}"
+
+
 def participant_dir(root: Path, kind: Kind, name: str, endpoint_id: str = "0") -> Path:
-    """`<root>/<kind>/<instance>` (replica `0`) or `<root>/<kind>/<instance>#<endpoint_id>`."""
-    check_service_name(name)
-    instance = name.partition("/")[2]
-    return root / kind.folder / (instance if check_endpoint_id(endpoint_id) == "0" else f"{instance}#{endpoint_id}")
+    """`<root>/<kind>/<folder>` (replica `0`) or `<root>/<kind>/<folder>#<endpoint_id>` (`name_folder`)."""
+    return root / kind.folder / _with_replica(name_folder(kind, name), endpoint_id)
+
+
+def legacy_dir(root: Path, kind: Kind, name: str, endpoint_id: str = "0") -> Path | None:
+    """Where checkpoints written before `name_folder` kept `name`, if that is elsewhere: `<kind>/<instance>`."""
+    if name_folder(kind, name) == (instance := name.partition("/")[2]):
+        return None
+    return root / kind.folder / _with_replica(instance, endpoint_id)
+
+
+def _holds(folder: Path, name: str) -> bool:
+    """The folder's manifest is `name`'s (a legacy folder may hold another name's of the same instance)."""
+    try:
+        manifest = _load_manifest(folder / MANIFEST)
+    except DataLoss:
+        return False
+    return manifest is not None and manifest.name == name
 
 
 def replica_ids(root: Path, kind: Kind, name: str) -> list[str]:
     """Endpoint ids of the replicas of `name` whose folder under `root` holds a manifest, sorted.
 
     What a restore onto any number of replicas reads from (`RestoreRequest.source_endpoint_ids`).
+    A folder counts when its manifest is this name's (in the legacy layout, another name's may be there).
     """
-    check_service_name(name)
-    instance = name.partition("/")[2]
-    try:
-        entries = list(os.scandir(root / kind.folder))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = []
-    for entry in entries:
-        endpoint = "0" if entry.name == instance else entry.name.removeprefix(f"{instance}#")
-        if endpoint != entry.name and ENDPOINT_ID.fullmatch(endpoint) and os.path.isfile(Path(entry.path, MANIFEST)):
-            found.append(endpoint)
+    found = set()
+    legacy = legacy_dir(root, kind, name)
+    for prefix in (name_folder(kind, name), None if legacy is None else legacy.name):
+        if prefix is None:
+            continue
+        try:
+            entries = list(os.scandir(root / kind.folder))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        for entry in entries:
+            endpoint = "0" if entry.name == prefix else entry.name.removeprefix(f"{prefix}#")
+            if endpoint != entry.name and ENDPOINT_ID.fullmatch(endpoint) and _holds(Path(entry.path), name):
+                found.add(endpoint)
     return sorted(found)
+
+
+def checkpoint_dir_of(root: Path, kind: Kind, name: str, endpoint_id: str = "0") -> Path:
+    """The folder holding `name`'s part of the checkpoint at `root`: its own, else a legacy one that holds it."""
+    folder = participant_dir(root, kind, name, endpoint_id)
+    legacy = legacy_dir(root, kind, name, endpoint_id)
+    if legacy is not None and not os.path.lexists(folder / MANIFEST) and _holds(legacy, name):
+        return legacy
+    return folder
 
 
 def write_checkpoint(
@@ -177,10 +222,14 @@ def write_checkpoint(
 
 
 def read_checkpoint(
-    root: Path, kind: Kind, name: str, endpoint_id: str = "0"
+    root: Path, kind: Kind, name: str, endpoint_id: str = "0", stop: threading.Event | None = None
 ) -> tuple[pb.CheckpointManifest, list[rec_pb.CheckpointRecord]]:
-    """Read and verify a participant's (replica's) manifest and every record; DATA_LOSS on any damage."""
-    folder = participant_dir(root, kind, name, endpoint_id)
+    """Read and verify a participant's (replica's) manifest and every record; DATA_LOSS on any damage.
+
+    Reads regular files only and never more than the manifest's `size_bytes` (`gymrpc.safeio`);
+    `stop` set (the restore's deadline passed) ends the read with `safeio.ReadStopped`.
+    """
+    folder = checkpoint_dir_of(root, kind, name, endpoint_id)
     manifest = _load_manifest(folder / MANIFEST)
     if manifest is None:
         replica = "" if endpoint_id == "0" else f" replica {endpoint_id}"
@@ -191,15 +240,36 @@ def read_checkpoint(
     _check_manifest(manifest, folder, kind, name, endpoint_id)
     path = folder / manifest.records_file
     try:
-        data = path.read_bytes()
+        data = safeio.read_regular(
+            path, limit=manifest.size_bytes, size=manifest.size_bytes, sha256=manifest.sha256, stop=stop
+        )
     except FileNotFoundError:
         raise DataLoss(f"{path} is missing; the checkpoint is damaged", reason="CORRUPT_SNAPSHOT") from None
-    if len(data) != manifest.size_bytes or hashlib.sha256(data).hexdigest() != manifest.sha256:
-        raise DataLoss(f"{path} fails its size or sha256 check; nothing was restored")
+    except safeio.UnsafeFile as exc:
+        raise DataLoss(f"{exc}: it fails its size or sha256 check; nothing was restored") from None
     records = list(_decode(data, path))
     if len(records) != manifest.record_count:
         raise DataLoss(f"{path} holds {len(records)} records, its manifest says {manifest.record_count}")
     return manifest, records
+
+
+def checkpoint_episodes(root: Path) -> set[tuple[str, int]]:
+    """Every episode some member's manifest under `root` lists: what the checkpoint holds as a whole.
+
+    A member holds only its own episodes (an environment those with a session there), so a
+    restore checks what it is asked for against the union, not against its own manifest.
+    """
+    held: set[tuple[str, int]] = set()
+    for kind in Kind:
+        try:
+            entries = sorted(os.scandir(root / kind.folder), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            manifest = _load_manifest(Path(entry.path, MANIFEST))
+            if manifest is not None:
+                held.update((e.rollout_id, e.attempt) for e in manifest.episode_ids)
+    return held
 
 
 def manifests_equal(a: pb.CheckpointManifest, b: pb.CheckpointManifest) -> bool:
@@ -245,12 +315,23 @@ def create_file(path: Path, text: str) -> bool:
 
 def _load_manifest(path: Path) -> pb.CheckpointManifest | None:
     try:
-        data = path.read_bytes()
+        data = read_manifest_bytes(path)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise DataLoss(f"{path} cannot be read: {exc}") from None
     return parse_manifest(data, path)
+
+
+def read_manifest_bytes(path: Path) -> bytes:
+    """A manifest file's bytes: a regular file of at most `MAX_MANIFEST_BYTES`; DATA_LOSS otherwise.
+
+    FileNotFoundError passes through.
+    """
+    try:
+        return safeio.read_regular(path, limit=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise
+    except (OSError, safeio.UnsafeFile) as exc:
+        raise DataLoss(f"{path} cannot be read: {exc}") from None
 
 
 def parse_manifest(data: bytes, path: Path) -> pb.CheckpointManifest:
@@ -296,6 +377,7 @@ def _decode(data: bytes, path: Path) -> Iterator[rec_pb.CheckpointRecord]:
         try:
             record.ParseFromString(data[pos : pos + length])
             check_id(record.episode_id.rollout_id, "record.episode_id.rollout_id")
+            check_attempt(record.episode_id.attempt, "record.episode_id.attempt")
         except (DecodeError, InvalidArgument) as exc:
             raise DataLoss(f"{path}: a record does not decode: {exc}") from None
         pos += length

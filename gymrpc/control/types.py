@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from gymrpc.ids import check_id
+from gymrpc.ids import check_attempt, check_id
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import participant_service_pb2 as pb
 
@@ -28,7 +28,10 @@ class EpisodeKey(NamedTuple):
     @classmethod
     def of(cls, episode_id: common_pb2.EpisodeId, field: str = "episode_id") -> EpisodeKey:
         """Validate a wire `EpisodeId` (its rollout id may reach file names)."""
-        return cls(check_id(episode_id.rollout_id, f"{field}.rollout_id"), episode_id.attempt)
+        return cls(
+            check_id(episode_id.rollout_id, f"{field}.rollout_id"),
+            check_attempt(episode_id.attempt, f"{field}.attempt"),
+        )
 
     def next(self) -> EpisodeKey:
         """The attempt a restore continues this one as."""

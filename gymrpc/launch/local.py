@@ -129,7 +129,9 @@ class ServerProcess:
         if config.ready_file is not None:
             argv += ["--ready-file", str(config.ready_file)]
         else:
-            argv += ["--registry", config.registry_address]
+            # The lease id outlives the process: restarted, it replaces its own registry entry at once.
+            lease_file = config.log_path.with_name(f".{config.log_path.stem}.lease")
+            argv += ["--registry", config.registry_address, "--lease-file", str(lease_file)]
         return argv
 
     async def _spawn(self) -> asyncio.subprocess.Process:

@@ -178,6 +178,6 @@ def _decode_other(text: str, where: str) -> Any:
             return np.frombuffer(raw, dtype=dtype)[0]
         if kind == "json" and len(doc) == 2 and type(doc[1]) in (list, dict):
             return doc[1]
-    except (ValueError, TypeError, IndexError, KeyError) as exc:
+    except (ValueError, TypeError, IndexError, KeyError, RecursionError) as exc:  # a snapshot comes from a caller
         raise TableCorrupt(f"{where}: tagged value does not decode: {exc}") from None
     raise TableCorrupt(f"{where}: tagged value {text[:60]!r} is not one this codec writes")

@@ -73,7 +73,7 @@ class SessionManifest:
     def from_json(cls, data: bytes) -> SessionManifest:
         try:
             doc = json.loads(data)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             raise BundleCorrupt(f"session manifest is not JSON: {exc}") from None
         if not isinstance(doc, dict) or set(doc) != _KEYS:
             raise BundleCorrupt(f"session manifest must have exactly the keys {sorted(_KEYS)}")

@@ -217,7 +217,7 @@ def _metadata(schema: pa.Schema) -> dict[str, Any]:
         raise TableCorrupt(f"no {METADATA_KEY.decode()} metadata: not written by this codec")
     try:
         meta = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise TableCorrupt(f"table metadata is not JSON: {exc}") from None
     if not isinstance(meta, dict) or set(meta) != _TOP_KEYS:
         raise TableCorrupt(f"table metadata must have exactly the keys {sorted(_TOP_KEYS)}")

@@ -116,6 +116,59 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The upstream server does not serve the configured model.
     Code FAILED_PRECONDITION.
     """
+    ERROR_REASON_CHECKPOINT_INCOMPLETE: _ErrorReason.ValueType  # 31
+    """A checkpoint folder has no index: some member's commit failed or its
+    controller stopped before indexing it. Code FAILED_PRECONDITION.
+    """
+    ERROR_REASON_REQUEST_ID_REUSED: _ErrorReason.ValueType  # 32
+    """The request id was already used by a request with other content.
+    Code ALREADY_EXISTS.
+    """
+    ERROR_REASON_INTERNAL: _ErrorReason.ValueType  # 33
+    """A bug or unexpected failure in the server; `metadata.error_id` finds it in
+    the server's log. Code INTERNAL.
+    """
+    ERROR_REASON_MALFORMED_MESSAGE: _ErrorReason.ValueType  # 34
+    """The request bytes do not decode as the method's message (malformed
+    protobuf, invalid UTF-8 in a string field). Code INVALID_ARGUMENT.
+    """
+    ERROR_REASON_STORAGE_FAILURE: _ErrorReason.ValueType  # 35
+    """Checkpoint storage failed for a reason a retry will not fix (no such
+    folder, not a folder, no permission, read-only); `metadata.path` names it.
+    Code FAILED_PRECONDITION.
+    """
+    ERROR_REASON_NO_SCRIPTED_REPLY: _ErrorReason.ValueType  # 36
+    """The scripted model backend has no reply for this turn. Code FAILED_PRECONDITION."""
+    ERROR_REASON_ENGINE_BUSY: _ErrorReason.ValueType  # 37
+    """The inference engine is saturated; retry later. Code RESOURCE_EXHAUSTED."""
+    ERROR_REASON_ENGINE_REJECTED: _ErrorReason.ValueType  # 38
+    """The inference engine refused the request. Code INVALID_ARGUMENT."""
+    ERROR_REASON_COLLECTOR_ERROR: _ErrorReason.ValueType  # 39
+    """A rollout failed in the collector itself (recorded in results, not sent
+    by a server). Code UNKNOWN.
+    """
+    ERROR_REASON_FAILED_PRECONDITION: _ErrorReason.ValueType  # 40
+    """The operation's precondition does not hold; the message says which.
+    Code FAILED_PRECONDITION.
+    """
+    ERROR_REASON_ABORTED: _ErrorReason.ValueType  # 41
+    """The operation was aborted (a conflict); the message says which. Code ABORTED."""
+    ERROR_REASON_ALREADY_EXISTS: _ErrorReason.ValueType  # 42
+    """The thing to create exists already. Code ALREADY_EXISTS."""
+    ERROR_REASON_RESOURCE_EXHAUSTED: _ErrorReason.ValueType  # 43
+    """A limit was reached; the message says which. Code RESOURCE_EXHAUSTED."""
+    ERROR_REASON_UNAVAILABLE: _ErrorReason.ValueType  # 44
+    """The service is unavailable; retry. Code UNAVAILABLE."""
+    ERROR_REASON_CANCELLED: _ErrorReason.ValueType  # 45
+    """The call was cancelled. Code CANCELLED."""
+    ERROR_REASON_PERMISSION_DENIED: _ErrorReason.ValueType  # 46
+    """The caller may not do this. Code PERMISSION_DENIED."""
+    ERROR_REASON_OUT_OF_RANGE: _ErrorReason.ValueType  # 47
+    """A value is past the end of a valid range. Code OUT_OF_RANGE."""
+    ERROR_REASON_UNIMPLEMENTED: _ErrorReason.ValueType  # 48
+    """The method is not implemented by this server. Code UNIMPLEMENTED."""
+    ERROR_REASON_UNKNOWN: _ErrorReason.ValueType  # 49
+    """An error without a more specific reason. Code UNKNOWN."""
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -221,4 +274,57 @@ ERROR_REASON_UPSTREAM_MODEL_NOT_FOUND: ErrorReason.ValueType  # 30
 """The upstream server does not serve the configured model.
 Code FAILED_PRECONDITION.
 """
+ERROR_REASON_CHECKPOINT_INCOMPLETE: ErrorReason.ValueType  # 31
+"""A checkpoint folder has no index: some member's commit failed or its
+controller stopped before indexing it. Code FAILED_PRECONDITION.
+"""
+ERROR_REASON_REQUEST_ID_REUSED: ErrorReason.ValueType  # 32
+"""The request id was already used by a request with other content.
+Code ALREADY_EXISTS.
+"""
+ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 33
+"""A bug or unexpected failure in the server; `metadata.error_id` finds it in
+the server's log. Code INTERNAL.
+"""
+ERROR_REASON_MALFORMED_MESSAGE: ErrorReason.ValueType  # 34
+"""The request bytes do not decode as the method's message (malformed
+protobuf, invalid UTF-8 in a string field). Code INVALID_ARGUMENT.
+"""
+ERROR_REASON_STORAGE_FAILURE: ErrorReason.ValueType  # 35
+"""Checkpoint storage failed for a reason a retry will not fix (no such
+folder, not a folder, no permission, read-only); `metadata.path` names it.
+Code FAILED_PRECONDITION.
+"""
+ERROR_REASON_NO_SCRIPTED_REPLY: ErrorReason.ValueType  # 36
+"""The scripted model backend has no reply for this turn. Code FAILED_PRECONDITION."""
+ERROR_REASON_ENGINE_BUSY: ErrorReason.ValueType  # 37
+"""The inference engine is saturated; retry later. Code RESOURCE_EXHAUSTED."""
+ERROR_REASON_ENGINE_REJECTED: ErrorReason.ValueType  # 38
+"""The inference engine refused the request. Code INVALID_ARGUMENT."""
+ERROR_REASON_COLLECTOR_ERROR: ErrorReason.ValueType  # 39
+"""A rollout failed in the collector itself (recorded in results, not sent
+by a server). Code UNKNOWN.
+"""
+ERROR_REASON_FAILED_PRECONDITION: ErrorReason.ValueType  # 40
+"""The operation's precondition does not hold; the message says which.
+Code FAILED_PRECONDITION.
+"""
+ERROR_REASON_ABORTED: ErrorReason.ValueType  # 41
+"""The operation was aborted (a conflict); the message says which. Code ABORTED."""
+ERROR_REASON_ALREADY_EXISTS: ErrorReason.ValueType  # 42
+"""The thing to create exists already. Code ALREADY_EXISTS."""
+ERROR_REASON_RESOURCE_EXHAUSTED: ErrorReason.ValueType  # 43
+"""A limit was reached; the message says which. Code RESOURCE_EXHAUSTED."""
+ERROR_REASON_UNAVAILABLE: ErrorReason.ValueType  # 44
+"""The service is unavailable; retry. Code UNAVAILABLE."""
+ERROR_REASON_CANCELLED: ErrorReason.ValueType  # 45
+"""The call was cancelled. Code CANCELLED."""
+ERROR_REASON_PERMISSION_DENIED: ErrorReason.ValueType  # 46
+"""The caller may not do this. Code PERMISSION_DENIED."""
+ERROR_REASON_OUT_OF_RANGE: ErrorReason.ValueType  # 47
+"""A value is past the end of a valid range. Code OUT_OF_RANGE."""
+ERROR_REASON_UNIMPLEMENTED: ErrorReason.ValueType  # 48
+"""The method is not implemented by this server. Code UNIMPLEMENTED."""
+ERROR_REASON_UNKNOWN: ErrorReason.ValueType  # 49
+"""An error without a more specific reason. Code UNKNOWN."""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n gymrpc/v1/registry_service.proto\x12\tgymrpc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x94\x02\n\x08\x45ndpoint\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rregister_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x06labels\x18\x07 \x03(\x0b\x32\x1f.gymrpc.v1.Endpoint.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd4\x01\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12&\n\x03ttl\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x06labels\x18\x05 \x03(\x0b\x32&.gymrpc.v1.RegisterRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"a\n\x10RegisterResponse\x12%\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x13.gymrpc.v1.Endpoint\x12&\n\x03ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"$\n\x10KeepAliveRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"D\n\x11KeepAliveResponse\x12/\n\x0b\x65xpire_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x1e\n\x0eResolveRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"9\n\x0fResolveResponse\x12&\n\tendpoints\x18\x01 \x03(\x0b\x32\x13.gymrpc.v1.Endpoint\"+\n\x14ListEndpointsRequest\x12\x13\n\x0bname_prefix\x18\x01 \x01(\t\"?\n\x15ListEndpointsResponse\x12&\n\tendpoints\x18\x01 \x03(\x0b\x32\x13.gymrpc.v1.Endpoint\"#\n\x0cWatchRequest\x12\x13\n\x0bname_prefix\x18\x01 \x01(\t\"_\n\rWatchResponse\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.gymrpc.v1.WatchEventType\x12%\n\x08\x65ndpoint\x18\x02 \x01(\x0b\x32\x13.gymrpc.v1.Endpoint\"%\n\x11\x44\x65registerRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x12\x44\x65registerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08*\xa9\x01\n\x0eWatchEventType\x12 \n\x1cWATCH_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19WATCH_EVENT_TYPE_EXISTING\x10\x01\x12\x1a\n\x16WATCH_EVENT_TYPE_ADDED\x10\x02\x12\x1c\n\x18WATCH_EVENT_TYPE_REMOVED\x10\x03\x12\x1c\n\x18WATCH_EVENT_TYPE_EXPIRED\x10\x04\x32\xdb\x03\n\x0fRegistryService\x12H\n\x08Register\x12\x1a.gymrpc.v1.RegisterRequest\x1a\x1b.gymrpc.v1.RegisterResponse\"\x03\x90\x02\x02\x12K\n\tKeepAlive\x12\x1b.gymrpc.v1.KeepAliveRequest\x1a\x1c.gymrpc.v1.KeepAliveResponse\"\x03\x90\x02\x02\x12\x45\n\x07Resolve\x12\x19.gymrpc.v1.ResolveRequest\x1a\x1a.gymrpc.v1.ResolveResponse\"\x03\x90\x02\x01\x12W\n\rListEndpoints\x12\x1f.gymrpc.v1.ListEndpointsRequest\x1a .gymrpc.v1.ListEndpointsResponse\"\x03\x90\x02\x01\x12\x41\n\x05Watch\x12\x17.gymrpc.v1.WatchRequest\x1a\x18.gymrpc.v1.WatchResponse\"\x03\x90\x02\x01\x30\x01\x12N\n\nDeregister\x12\x1c.gymrpc.v1.DeregisterRequest\x1a\x1d.gymrpc.v1.DeregisterResponse\"\x03\x90\x02\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n gymrpc/v1/registry_service.proto\x12\tgymrpc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x94\x02\n\x08\x45ndpoint\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rregister_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x06labels\x18\x07 \x03(\x0b\x32\x1f.gymrpc.v1.Endpoint.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe6\x01\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12&\n\x03ttl\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x06labels\x18\x05 \x03(\x0b\x32&.gymrpc.v1.RegisterRequest.LabelsEntry\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"a\n\x10RegisterResponse\x12%\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x13.gymrpc.v1.Endpoint\x12&\n\x03ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"$\n\x10KeepAliveRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"D\n\x11KeepAliveResponse\x12/\n\x0b\x65xpire_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x1e\n\x0eResolveRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"9\n\x0fResolveResponse\x12&\n\tendpoints\x18\x01 \x03(\x0b\x32\x13.gymrpc.v1.Endpoint\"+\n\x14ListEndpointsRequest\x12\x13\n\x0bname_prefix\x18\x01 \x01(\t\"?\n\x15ListEndpointsResponse\x12&\n\tendpoints\x18\x01 \x03(\x0b\x32\x13.gymrpc.v1.Endpoint\"#\n\x0cWatchRequest\x12\x13\n\x0bname_prefix\x18\x01 \x01(\t\"_\n\rWatchResponse\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.gymrpc.v1.WatchEventType\x12%\n\x08\x65ndpoint\x18\x02 \x01(\x0b\x32\x13.gymrpc.v1.Endpoint\"%\n\x11\x44\x65registerRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"%\n\x12\x44\x65registerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08*\xa9\x01\n\x0eWatchEventType\x12 \n\x1cWATCH_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19WATCH_EVENT_TYPE_EXISTING\x10\x01\x12\x1a\n\x16WATCH_EVENT_TYPE_ADDED\x10\x02\x12\x1c\n\x18WATCH_EVENT_TYPE_REMOVED\x10\x03\x12\x1c\n\x18WATCH_EVENT_TYPE_EXPIRED\x10\x04\x32\xdb\x03\n\x0fRegistryService\x12H\n\x08Register\x12\x1a.gymrpc.v1.RegisterRequest\x1a\x1b.gymrpc.v1.RegisterResponse\"\x03\x90\x02\x02\x12K\n\tKeepAlive\x12\x1b.gymrpc.v1.KeepAliveRequest\x1a\x1c.gymrpc.v1.KeepAliveResponse\"\x03\x90\x02\x02\x12\x45\n\x07Resolve\x12\x19.gymrpc.v1.ResolveRequest\x1a\x1a.gymrpc.v1.ResolveResponse\"\x03\x90\x02\x01\x12W\n\rListEndpoints\x12\x1f.gymrpc.v1.ListEndpointsRequest\x1a .gymrpc.v1.ListEndpointsResponse\"\x03\x90\x02\x01\x12\x41\n\x05Watch\x12\x17.gymrpc.v1.WatchRequest\x1a\x18.gymrpc.v1.WatchResponse\"\x03\x90\x02\x01\x30\x01\x12N\n\nDeregister\x12\x1c.gymrpc.v1.DeregisterRequest\x1a\x1d.gymrpc.v1.DeregisterResponse\"\x03\x90\x02\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,38 +49,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTRYSERVICE'].methods_by_name['Watch']._serialized_options = b'\220\002\001'
   _globals['_REGISTRYSERVICE'].methods_by_name['Deregister']._loaded_options = None
   _globals['_REGISTRYSERVICE'].methods_by_name['Deregister']._serialized_options = b'\220\002\002'
-  _globals['_WATCHEVENTTYPE']._serialized_start=1227
-  _globals['_WATCHEVENTTYPE']._serialized_end=1396
+  _globals['_WATCHEVENTTYPE']._serialized_start=1245
+  _globals['_WATCHEVENTTYPE']._serialized_end=1414
   _globals['_ENDPOINT']._serialized_start=113
   _globals['_ENDPOINT']._serialized_end=389
   _globals['_ENDPOINT_LABELSENTRY']._serialized_start=344
   _globals['_ENDPOINT_LABELSENTRY']._serialized_end=389
   _globals['_REGISTERREQUEST']._serialized_start=392
-  _globals['_REGISTERREQUEST']._serialized_end=604
+  _globals['_REGISTERREQUEST']._serialized_end=622
   _globals['_REGISTERREQUEST_LABELSENTRY']._serialized_start=344
   _globals['_REGISTERREQUEST_LABELSENTRY']._serialized_end=389
-  _globals['_REGISTERRESPONSE']._serialized_start=606
-  _globals['_REGISTERRESPONSE']._serialized_end=703
-  _globals['_KEEPALIVEREQUEST']._serialized_start=705
-  _globals['_KEEPALIVEREQUEST']._serialized_end=741
-  _globals['_KEEPALIVERESPONSE']._serialized_start=743
-  _globals['_KEEPALIVERESPONSE']._serialized_end=811
-  _globals['_RESOLVEREQUEST']._serialized_start=813
-  _globals['_RESOLVEREQUEST']._serialized_end=843
-  _globals['_RESOLVERESPONSE']._serialized_start=845
-  _globals['_RESOLVERESPONSE']._serialized_end=902
-  _globals['_LISTENDPOINTSREQUEST']._serialized_start=904
-  _globals['_LISTENDPOINTSREQUEST']._serialized_end=947
-  _globals['_LISTENDPOINTSRESPONSE']._serialized_start=949
-  _globals['_LISTENDPOINTSRESPONSE']._serialized_end=1012
-  _globals['_WATCHREQUEST']._serialized_start=1014
-  _globals['_WATCHREQUEST']._serialized_end=1049
-  _globals['_WATCHRESPONSE']._serialized_start=1051
-  _globals['_WATCHRESPONSE']._serialized_end=1146
-  _globals['_DEREGISTERREQUEST']._serialized_start=1148
-  _globals['_DEREGISTERREQUEST']._serialized_end=1185
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1187
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1224
-  _globals['_REGISTRYSERVICE']._serialized_start=1399
-  _globals['_REGISTRYSERVICE']._serialized_end=1874
+  _globals['_REGISTERRESPONSE']._serialized_start=624
+  _globals['_REGISTERRESPONSE']._serialized_end=721
+  _globals['_KEEPALIVEREQUEST']._serialized_start=723
+  _globals['_KEEPALIVEREQUEST']._serialized_end=759
+  _globals['_KEEPALIVERESPONSE']._serialized_start=761
+  _globals['_KEEPALIVERESPONSE']._serialized_end=829
+  _globals['_RESOLVEREQUEST']._serialized_start=831
+  _globals['_RESOLVEREQUEST']._serialized_end=861
+  _globals['_RESOLVERESPONSE']._serialized_start=863
+  _globals['_RESOLVERESPONSE']._serialized_end=920
+  _globals['_LISTENDPOINTSREQUEST']._serialized_start=922
+  _globals['_LISTENDPOINTSREQUEST']._serialized_end=965
+  _globals['_LISTENDPOINTSRESPONSE']._serialized_start=967
+  _globals['_LISTENDPOINTSRESPONSE']._serialized_end=1030
+  _globals['_WATCHREQUEST']._serialized_start=1032
+  _globals['_WATCHREQUEST']._serialized_end=1067
+  _globals['_WATCHRESPONSE']._serialized_start=1069
+  _globals['_WATCHRESPONSE']._serialized_end=1164
+  _globals['_DEREGISTERREQUEST']._serialized_start=1166
+  _globals['_DEREGISTERREQUEST']._serialized_end=1203
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1205
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1242
+  _globals['_REGISTRYSERVICE']._serialized_start=1417
+  _globals['_REGISTRYSERVICE']._serialized_end=1892
 # @@protoc_insertion_point(module_scope)

@@ -95,7 +95,10 @@ class Endpoint(_message.Message):
     address: _builtins.str
     """gRPC target: `host:port`, `unix:/abs/path` or `unix-abstract:name`."""
     lease_id: _builtins.str
-    """Lease that keeps this entry alive."""
+    """Lease that keeps this entry alive. Only `RegisterResponse` carries it (it
+    is what proves a server's own entry); `Resolve`, `ListEndpoints` and
+    `Watch` leave it empty.
+    """
     @_builtins.property
     def expire_time(self) -> _timestamp_pb2.Timestamp:
         """When the lease runs out unless renewed."""
@@ -158,6 +161,7 @@ class RegisterRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     TTL_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name to register, `role/instance`: each part matches
     `^[a-z0-9][a-z0-9_.-]{0,62}$`.
@@ -166,6 +170,12 @@ class RegisterRequest(_message.Message):
     """Replica id; empty means `0`. Must match `^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`."""
     address: _builtins.str
     """The address the server actually bound."""
+    lease_id: _builtins.str
+    """The lease of this server's earlier registration of the same name and
+    endpoint id (a server restarted on a new address). A name and endpoint id
+    held by another live lease is refused with `NAME_TAKEN` unless this names
+    that lease; the same address is always an idempotent retry.
+    """
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
         """Requested lease TTL; clamped to the registry's bounds (default 10 s)."""
@@ -182,10 +192,11 @@ class RegisterRequest(_message.Message):
         address: _builtins.str = ...,
         ttl: _duration_pb2.Duration | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "endpoint_id", b"endpoint_id", "labels", b"labels", "name", b"name", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "endpoint_id", b"endpoint_id", "labels", b"labels", "lease_id", b"lease_id", "name", b"name", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

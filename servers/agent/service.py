@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 
 from gymrpc.errors import Aborted, DeadlineExceeded, InvalidArgument
-from gymrpc.ids import check_id
+from gymrpc.ids import check_attempt, check_id
 from gymrpc.messages import ROLE_NAMES, parse_json_object
-from gymrpc.pbtime import seconds
+from gymrpc.pbtime import request_seconds
 from gymrpc.store import EpisodeStore
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import agent_service_pb2_grpc as agent_grpc
@@ -170,7 +170,7 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
             )
         timeout = self.config.episode_timeout
         if options.HasField("episode_timeout"):
-            timeout = seconds(options.episode_timeout)
+            timeout = request_seconds(options.episode_timeout, "options.episode_timeout")
             if timeout <= 0:
                 raise InvalidArgument(
                     f"options.episode_timeout must be positive, got {timeout}s",
@@ -284,7 +284,9 @@ def _episode_identity(request: agent_pb.RunRequest) -> tuple[str, int]:
     """The request's episode id, or a fresh random one when it has none."""
     episode = request.episode_id
     if episode.rollout_id:
-        return check_id(episode.rollout_id, "episode_id.rollout_id"), episode.attempt
+        return check_id(episode.rollout_id, "episode_id.rollout_id"), check_attempt(
+            episode.attempt, "episode_id.attempt"
+        )
     if episode.attempt:
         raise InvalidArgument(
             "episode_id.attempt is set but episode_id.rollout_id is empty",

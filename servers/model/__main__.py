@@ -106,6 +106,12 @@ def main() -> None:
     parser.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens)
     parser.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens)
     parser.add_argument("--max-prompt-tokens", type=int, default=Limits.max_prompt_tokens)
+    parser.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=Limits.max_prompt_bytes,
+        help="larger requests are refused before tokenising (default %(default)s)",
+    )
     parser.add_argument("--cache-size", type=int, default=1024, help="replies kept for retries (LRU)")
     add_participant_arguments(parser)
     scripted = parser.add_argument_group("scripted backend (sources are tried in the order below)")
@@ -155,7 +161,7 @@ def main() -> None:
     config = config_from_arguments(args)
     tokenizer_file = args.tokenizer or (model_tokenizer_file(args.model_path) if args.backend == "vllm" else None)
     tokenizer = ChatTokenizer.from_file(tokenizer_file) if tokenizer_file else default_tokenizer()
-    limits = Limits(args.default_max_tokens, args.max_tokens_limit, args.max_prompt_tokens)
+    limits = Limits(args.default_max_tokens, args.max_tokens_limit, args.max_prompt_tokens, args.max_prompt_bytes)
 
     async def main_async() -> None:
         backend = build_backend(args, tokenizer)

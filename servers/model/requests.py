@@ -6,14 +6,13 @@ and changes nothing (in particular, it never takes a `request_id` in the cache).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from gymrpc.errors import InvalidArgument
-from gymrpc.ids import check_id
-from gymrpc.messages import ROLE_NAMES
+from gymrpc.ids import check_attempt, check_id
+from gymrpc.messages import ROLE_NAMES, parse_json_object
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
 from servers.model.backends.base import Sampling
@@ -30,6 +29,9 @@ class Limits:
     max_tokens: int = 32768
     """The largest `max_tokens` a request may ask for."""
     max_prompt_tokens: int = 131072
+    max_prompt_bytes: int = 4 << 20
+    """The largest request, in bytes, that is rendered at all: checked before tokenising, so an
+    oversized prompt is refused at once instead of occupying the server while it is tokenised."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,13 @@ def _bad(message: str, field: str) -> InvalidArgument:
 
 
 def check_request(request: pb.GenerateRequest, limits: Limits, stop_token_ids: tuple[int, ...]) -> Checked:
+    size = request.ByteSize()
+    if size > limits.max_prompt_bytes:
+        raise _bad(
+            f"the request is {size} bytes; this server renders requests of at most {limits.max_prompt_bytes} bytes "
+            "(--max-prompt-bytes); shorten the conversation",
+            "messages",
+        )
     request_id = request.request_id
     if not request_id:
         raise _bad("request_id is empty; give every model call a unique id (retries reuse it)", "request_id")
@@ -56,6 +65,7 @@ def check_request(request: pb.GenerateRequest, limits: Limits, stop_token_ids: t
     rollout_id = request.episode_id.rollout_id
     if rollout_id:
         check_id(rollout_id, "episode_id.rollout_id")
+    check_attempt(request.episode_id.attempt, "episode_id.attempt")
     return Checked(
         request_id=request_id,
         rollout_id=rollout_id,
@@ -120,12 +130,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if tool.name in seen:
             raise _bad(f"{where}.name {tool.name!r} is listed twice", f"{where}.name")
         seen.add(tool.name)
-        try:
-            parameters = json.loads(tool.parameters_json_schema or "{}")
-        except json.JSONDecodeError as exc:
-            raise _bad(f"{where}.parameters_json_schema is not valid JSON: {exc}", where) from None
-        if not isinstance(parameters, dict):
-            raise _bad(f"{where}.parameters_json_schema must be a JSON object", where)
+        parameters = parse_json_object(tool.parameters_json_schema or "{}", f"{where}.parameters_json_schema")
         out.append(
             {
                 "type": "function",

@@ -86,7 +86,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return flight
 
     async def _run(self, flight: Flight, checked: Checked, streaming: bool) -> None:
-        rendered = await asyncio.to_thread(self.template.render, checked.messages, checked.tools)  # off the loop
+        # Tokenising a long prompt takes a while: off the event loop, so health checks and other calls go on.
+        rendered = await asyncio.to_thread(self.template.render, checked.messages, checked.tools)
         prompt = rendered.token_ids
         if len(prompt) > self.limits.max_prompt_tokens:
             raise InvalidArgument(

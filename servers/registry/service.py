@@ -9,7 +9,7 @@ import grpc
 
 from gymrpc.errors import InvalidArgument, ResourceExhausted
 from gymrpc.ids import check_address, check_endpoint_id, check_service_name
-from gymrpc.pbtime import duration, seconds, timestamp
+from gymrpc.pbtime import duration, request_seconds, timestamp
 from gymrpc.v1 import registry_service_pb2 as pb
 from gymrpc.v1 import registry_service_pb2_grpc as pb_grpc
 from servers.registry.table import Entry, Table
@@ -23,12 +23,13 @@ _EVENT = {
 MAX_LABELS = 32
 
 
-def endpoint_message(entry: Entry) -> pb.Endpoint:
+def endpoint_message(entry: Entry, *, with_lease: bool = False) -> pb.Endpoint:
+    """The wire form; the lease id only for its holder (it proves the entry is the caller's own)."""
     return pb.Endpoint(
         name=entry.name,
         endpoint_id=entry.endpoint_id,
         address=entry.address,
-        lease_id=entry.lease_id,
+        lease_id=entry.lease_id if with_lease else "",
         expire_time=timestamp(entry.expires_at),
         register_time=timestamp(entry.registered_at),
         labels=entry.labels,
@@ -60,9 +61,9 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         address = check_address(request.address)
         if len(request.labels) > MAX_LABELS or any(len(k) + len(v) > 512 for k, v in request.labels.items()):
             raise InvalidArgument(f"at most {MAX_LABELS} labels of at most 512 characters each")
-        ttl = seconds(request.ttl) if request.HasField("ttl") else 0.0
-        entry = self.table.register(name, endpoint_id, address, ttl, dict(request.labels))
-        return pb.RegisterResponse(endpoint=endpoint_message(entry), ttl=duration(entry.ttl))
+        ttl = request_seconds(request.ttl, "ttl") if request.HasField("ttl") else 0.0
+        entry = self.table.register(name, endpoint_id, address, ttl, dict(request.labels), request.lease_id[:64])
+        return pb.RegisterResponse(endpoint=endpoint_message(entry, with_lease=True), ttl=duration(entry.ttl))
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         entry = self.table.keep_alive(request.lease_id)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from gymrpc.errors import NotFound
+from gymrpc.errors import AlreadyExists, NotFound
 
 MIN_TTL = 0.2
 MAX_TTL = 300.0
@@ -51,12 +51,29 @@ class Table:
         self._seen: set[str] = set()  # names that were ever registered (tell "expired" from "unknown")
         self._watchers: set[asyncio.Queue[Change | None]] = set()
 
-    def register(self, name: str, endpoint_id: str, address: str, ttl: float, labels: dict[str, str]) -> Entry:
-        """Add or replace an endpoint; the same address keeps its lease (an idempotent retry)."""
+    def register(
+        self, name: str, endpoint_id: str, address: str, ttl: float, labels: dict[str, str], lease_id: str = ""
+    ) -> Entry:
+        """Add an endpoint, or replace the caller's own; the same address keeps its lease (an idempotent retry).
+
+        A (name, endpoint id) held by another live lease at another address is NAME_TAKEN unless
+        `lease_id` is that lease: only the server that holds it may move its entry, so a token
+        holder cannot silently point a live server's name elsewhere.
+        """
         now = self._clock()
+        self.expire()
         ttl = min(max(ttl or DEFAULT_TTL, MIN_TTL), MAX_TTL)
         key = (name, endpoint_id)
         old = self._entries.get(key)
+        if old is not None and old.address != address and not secrets.compare_digest(old.lease_id, lease_id):
+            left = max(old.expires_at - now, 0.0)
+            raise AlreadyExists(
+                f"{name} replica {endpoint_id} is registered by another live server (lease expires in {left:.1f}s "
+                "unless renewed); a restarted server passes its previous lease id, anyone else waits for it to expire",
+                reason="NAME_TAKEN",
+                metadata={"name": name, "endpoint_id": endpoint_id},
+                retry_delay=min(left, old.ttl),
+            )
         if old is not None and old.address == address:
             entry = replace(old, ttl=ttl, expires_at=now + ttl, labels=labels)
         else:

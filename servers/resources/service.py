@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 import grpc
 
+from gymrpc import safejson
 from gymrpc.envkit import CheckpointMode, Environment, InteractionStyle
 from gymrpc.errors import DataLoss, FailedPrecondition, InvalidArgument
-from gymrpc.ids import check_id
+from gymrpc.ids import check_attempt, check_id
 from gymrpc.messages import messages_to_dicts, task_spec, tool_definition
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
@@ -30,7 +31,10 @@ _STYLES = {
 
 
 def episode_key(episode_id: common_pb2.EpisodeId) -> EpisodeKey:
-    return EpisodeKey(check_id(episode_id.rollout_id, "episode_id.rollout_id"), episode_id.attempt)
+    return EpisodeKey(
+        check_id(episode_id.rollout_id, "episode_id.rollout_id"),
+        check_attempt(episode_id.attempt, "episode_id.attempt"),
+    )
 
 
 class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
@@ -78,10 +82,12 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
             problem = f"Error: unknown tool {call.name!r}; available tools: {', '.join(sorted(self._tool_names))}"
         else:
             try:
-                arguments = json.loads(call.arguments_json or "{}")
+                arguments = safejson.loads(call.arguments_json or "{}")
                 if not isinstance(arguments, dict):
                     problem = f"Error: arguments of {call.name} must be a JSON object, got {type(arguments).__name__}"
-            except json.JSONDecodeError as exc:
+            except safejson.JsonLimit as exc:
+                problem = f"Error: arguments of {call.name} are refused: {exc}"
+            except ValueError as exc:
                 problem = f"Error: arguments of {call.name} are not valid JSON: {exc}"
         result = await self.host.call_tool(session_id, episode, call.id, call.name, arguments, problem)
         return pb.CallToolResponse(output=result.output, is_error=result.is_error)

@@ -154,9 +154,13 @@ def test_a_commit_that_failed_on_one_replica_leaves_no_index_and_a_restore_refus
             await controller_of(ReplicaClient(fresh)).restore("r1", tmp_path / "c9", EPISODES)
         await untouched(fresh)
 
-        # The escape hatch: a caller that names the replicas that committed gets exactly those.
-        replies = await controller_of(ReplicaClient(fresh)).restore("r2", folder, EPISODES, sources={NAME: ["0"]})
+        # The escape hatch: a caller that names the replicas that committed gets exactly those; the
+        # episodes only the failed replica held are not in the checkpoint, and asking for them is NOT_FOUND.
         on_zero = [e for e in EPISODES if place(session(e), ["0", "1"]) == "0"]
+        with pytest.raises(CoordinationError, match="holds no episode"):
+            await controller_of(ReplicaClient(fresh)).restore("r2", folder, EPISODES, sources={NAME: ["0"]})
+        await untouched(fresh)
+        replies = await controller_of(ReplicaClient(fresh)).restore("r3", folder, on_zero, sources={NAME: ["0"]})
         assert restored_by(replies) == sorted(e.next() for e in on_zero)
         await close(fresh)
 

@@ -42,8 +42,9 @@ import pytest
 
 from gymrpc.control import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind, Phase
 from gymrpc.control import store as store_module
+from gymrpc.control.index import index_sources, read_index
 from gymrpc.controller import CoordinationError
-from gymrpc.errors import GymrpcError
+from gymrpc.errors import GymrpcError, InvalidArgument, NotFound
 from tests.control.deployment import Deployment, FakeAgent, Node
 
 NAMES = ("agent/a", "model/m0", "model/m1", "resources/r0", "resources/r1", "resources/r2")
@@ -364,6 +365,8 @@ class Simulation:
             self.note("no checkpoint yet: every episode starts over")
             return
         folder, snapshot = self.latest
+        if self.rng.random() < 0.3:  # restores refused as a whole change nothing: the same processes restore next
+            await self.refused_restores(folder, snapshot)
         if self.rng.random() < 0.3:  # a restore that fails on one participant installs nothing anywhere
             self.agent().fail_install = True
             with pytest.raises(CoordinationError):
@@ -380,6 +383,31 @@ class Simulation:
         self.live = {r: replace(e, key=e.key.next(), running=False) for r, e in snapshot.items()}
         self.retired = {}
         self.note(f"restored {folder.name}: {len(self.live)} episodes continue as the next attempt")
+
+    async def refused_restores(self, folder: Path, snapshot: dict[str, Episode]) -> None:
+        """Restores of episodes the checkpoint does not hold, or of an attempt out of range, are refused
+        whole: up front by the controller, and by every participant when the controller's check is
+        bypassed (`sources` named by hand); every participant stays idle, open, empty and fresh."""
+        keys = [e.key for e in snapshot.values()]
+        ghost = EpisodeKey(f"ghost-{next(self.ids)}", self.rng.randint(0, 3))
+        sources = index_sources(read_index(folder))
+        cases: list[tuple[str, list[EpisodeKey], Any, type[Exception], str]] = [
+            ("not held", [*keys, ghost], None, NotFound, "holds no episode"),
+            ("attempt 2^32-1", [*keys, EpisodeKey("big", 2**32 - 1)], None, InvalidArgument, "attempt"),
+            ("not held, past the controller", [*keys, ghost], sources, CoordinationError, "holds no episode"),
+        ]
+        for label, episodes, named, error, says in self.rng.sample(cases, self.rng.randint(1, len(cases))):
+            with pytest.raises(error, match=says) as caught:
+                await self.d.controller.restore(self.new_id("bad"), folder, self.rng.sample(episodes, len(episodes)),
+                                                sources=named)  # fmt: skip
+            if isinstance(caught.value, CoordinationError):
+                assert set(caught.value.failures) == set(NAMES), caught.value
+                assert {type(e) for e in caught.value.failures.values()} == {NotFound}, caught.value
+            await self.check_failed_restore(self.d)
+            for name, status in (await self.d.statuses()).items():
+                assert not status.retired, f"{name} fenced attempts after a restore refused as a whole"
+                assert self.d.nodes[name].participant.not_fresh() is None, f"{name} is no longer fresh"
+            self.note(f"restore of {folder.name} refused ({label}): nothing changed")
 
     # -- invariants --------------------------------------------------------------------------
 

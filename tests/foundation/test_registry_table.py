@@ -63,11 +63,25 @@ def test_never_registered_name_says_so_and_lists_what_exists(table: Table) -> No
 
 def test_restarted_server_replaces_its_entry_and_old_lease_dies(table: Table) -> None:
     old = table.register("model/policy", "0", "127.0.0.1:1", 10, {})
-    new = table.register("model/policy", "0", "127.0.0.1:2", 10, {})
+    new = table.register("model/policy", "0", "127.0.0.1:2", 10, {}, lease_id=old.lease_id)
     assert new.lease_id != old.lease_id
     assert [e.address for e in table.resolve("model/policy")] == ["127.0.0.1:2"]
     with pytest.raises(errors.NotFound):
         table.keep_alive(old.lease_id)
+
+
+def test_a_live_servers_name_is_taken_for_anyone_else_until_its_lease_expires(table: Table, clock: Clock) -> None:
+    live = table.register("model/policy", "0", "127.0.0.1:1", 10, {})
+    for lease_id in ("", "0" * 24, live.lease_id[:-1]):
+        with pytest.raises(errors.AlreadyExists) as taken:
+            table.register("model/policy", "0", "127.0.0.1:9", 10, {}, lease_id=lease_id)
+        assert taken.value.reason == "NAME_TAKEN"
+        assert taken.value.retry_delay == pytest.approx(10)
+        assert [(e.address, e.lease_id) for e in table.resolve("model/policy")] == [("127.0.0.1:1", live.lease_id)]
+    table.register("model/policy", "1", "127.0.0.1:9", 10, {})  # another replica id is another entry
+    clock.now += 11  # the live one stopped renewing: its name is free again
+    moved = table.register("model/policy", "0", "127.0.0.1:9", 10, {})
+    assert moved.lease_id != live.lease_id
 
 
 def test_retried_register_is_idempotent(table: Table) -> None:
@@ -103,7 +117,7 @@ def test_watchers_hear_every_change(table: Table, clock: Clock) -> None:
     async def scenario() -> list[str]:
         queue = table.subscribe()
         entry = table.register("agent/simple", "0", "127.0.0.1:1", 1, {})
-        table.register("agent/simple", "0", "127.0.0.1:2", 1, {})
+        table.register("agent/simple", "0", "127.0.0.1:2", 1, {}, lease_id=entry.lease_id)
         clock.now += 2
         table.expire()
         table.register("model/policy", "0", "127.0.0.1:3", 1, {})

@@ -254,6 +254,147 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_UPSTREAM_MODEL_NOT_FOUND = 30;
    */
   UPSTREAM_MODEL_NOT_FOUND = 30,
+
+  /**
+   * A checkpoint folder has no index: some member's commit failed or its
+   * controller stopped before indexing it. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_CHECKPOINT_INCOMPLETE = 31;
+   */
+  CHECKPOINT_INCOMPLETE = 31,
+
+  /**
+   * The request id was already used by a request with other content.
+   * Code ALREADY_EXISTS.
+   *
+   * @generated from enum value: ERROR_REASON_REQUEST_ID_REUSED = 32;
+   */
+  REQUEST_ID_REUSED = 32,
+
+  /**
+   * A bug or unexpected failure in the server; `metadata.error_id` finds it in
+   * the server's log. Code INTERNAL.
+   *
+   * @generated from enum value: ERROR_REASON_INTERNAL = 33;
+   */
+  INTERNAL = 33,
+
+  /**
+   * The request bytes do not decode as the method's message (malformed
+   * protobuf, invalid UTF-8 in a string field). Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_MALFORMED_MESSAGE = 34;
+   */
+  MALFORMED_MESSAGE = 34,
+
+  /**
+   * Checkpoint storage failed for a reason a retry will not fix (no such
+   * folder, not a folder, no permission, read-only); `metadata.path` names it.
+   * Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_STORAGE_FAILURE = 35;
+   */
+  STORAGE_FAILURE = 35,
+
+  /**
+   * The scripted model backend has no reply for this turn. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_NO_SCRIPTED_REPLY = 36;
+   */
+  NO_SCRIPTED_REPLY = 36,
+
+  /**
+   * The inference engine is saturated; retry later. Code RESOURCE_EXHAUSTED.
+   *
+   * @generated from enum value: ERROR_REASON_ENGINE_BUSY = 37;
+   */
+  ENGINE_BUSY = 37,
+
+  /**
+   * The inference engine refused the request. Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_ENGINE_REJECTED = 38;
+   */
+  ENGINE_REJECTED = 38,
+
+  /**
+   * A rollout failed in the collector itself (recorded in results, not sent
+   * by a server). Code UNKNOWN.
+   *
+   * @generated from enum value: ERROR_REASON_COLLECTOR_ERROR = 39;
+   */
+  COLLECTOR_ERROR = 39,
+
+  /**
+   * The operation's precondition does not hold; the message says which.
+   * Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_FAILED_PRECONDITION = 40;
+   */
+  FAILED_PRECONDITION = 40,
+
+  /**
+   * The operation was aborted (a conflict); the message says which. Code ABORTED.
+   *
+   * @generated from enum value: ERROR_REASON_ABORTED = 41;
+   */
+  ABORTED = 41,
+
+  /**
+   * The thing to create exists already. Code ALREADY_EXISTS.
+   *
+   * @generated from enum value: ERROR_REASON_ALREADY_EXISTS = 42;
+   */
+  ALREADY_EXISTS = 42,
+
+  /**
+   * A limit was reached; the message says which. Code RESOURCE_EXHAUSTED.
+   *
+   * @generated from enum value: ERROR_REASON_RESOURCE_EXHAUSTED = 43;
+   */
+  RESOURCE_EXHAUSTED = 43,
+
+  /**
+   * The service is unavailable; retry. Code UNAVAILABLE.
+   *
+   * @generated from enum value: ERROR_REASON_UNAVAILABLE = 44;
+   */
+  UNAVAILABLE = 44,
+
+  /**
+   * The call was cancelled. Code CANCELLED.
+   *
+   * @generated from enum value: ERROR_REASON_CANCELLED = 45;
+   */
+  CANCELLED = 45,
+
+  /**
+   * The caller may not do this. Code PERMISSION_DENIED.
+   *
+   * @generated from enum value: ERROR_REASON_PERMISSION_DENIED = 46;
+   */
+  PERMISSION_DENIED = 46,
+
+  /**
+   * A value is past the end of a valid range. Code OUT_OF_RANGE.
+   *
+   * @generated from enum value: ERROR_REASON_OUT_OF_RANGE = 47;
+   */
+  OUT_OF_RANGE = 47,
+
+  /**
+   * The method is not implemented by this server. Code UNIMPLEMENTED.
+   *
+   * @generated from enum value: ERROR_REASON_UNIMPLEMENTED = 48;
+   */
+  UNIMPLEMENTED = 48,
+
+  /**
+   * An error without a more specific reason. Code UNKNOWN.
+   *
+   * @generated from enum value: ERROR_REASON_UNKNOWN = 49;
+   */
+  UNKNOWN = 49,
 }
 
 /**

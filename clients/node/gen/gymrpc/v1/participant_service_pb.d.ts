@@ -530,9 +530,13 @@ export declare type CheckpointIndexMember = Message<"gymrpc.v1.CheckpointIndexMe
 
   /**
    * Its `manifest.json`, relative to the checkpoint folder:
-   * `<kind>/<instance>/manifest.json` for replica `0`,
-   * `<kind>/<instance>#<endpoint_id>/manifest.json` otherwise (`kind`
-   * lowercase without its prefix, for example `resources`).
+   * `<kind>/<folder>/manifest.json` for replica `0`,
+   * `<kind>/<folder>#<endpoint_id>/manifest.json` otherwise (`kind`
+   * lowercase without its prefix, for example `resources`). `<folder>` is the
+   * name's instance when its role is the kind (`resources/counter` ->
+   * `resources/counter`), else the whole name with its slash escaped
+   * (`tools/x` -> `resources/tools%2Fx`); checkpoints written before that
+   * list such names at `<kind>/<instance>`, which readers still accept.
    *
    * @generated from field: string manifest_path = 4;
    */

@@ -40,7 +40,9 @@ export declare type Endpoint = Message<"gymrpc.v1.Endpoint"> & {
   address: string;
 
   /**
-   * Lease that keeps this entry alive.
+   * Lease that keeps this entry alive. Only `RegisterResponse` carries it (it
+   * is what proves a server's own entry); `Resolve`, `ListEndpoints` and
+   * `Watch` leave it empty.
    *
    * @generated from field: string lease_id = 4;
    */
@@ -115,6 +117,16 @@ export declare type RegisterRequest = Message<"gymrpc.v1.RegisterRequest"> & {
    * @generated from field: map<string, string> labels = 5;
    */
   labels: { [key: string]: string };
+
+  /**
+   * The lease of this server's earlier registration of the same name and
+   * endpoint id (a server restarted on a new address). A name and endpoint id
+   * held by another live lease is refused with `NAME_TAKEN` unless this names
+   * that lease; the same address is always an idempotent retry.
+   *
+   * @generated from field: string lease_id = 6;
+   */
+  leaseId: string;
 };
 
 /**
