@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import stat
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,36 @@ def merge(replies: list[weights_service_pb2.UpdateWeightsResponse]) -> weights_s
     out.already_applied = all(r.already_applied for r in replies)
     out.load_duration.CopyFrom(max((r.load_duration for r in replies), key=lambda d: d.ToNanoseconds()))
     return out
+
+
+_NUMBER = re.compile(r"(\d+)$")
+
+
+def version_number(version: str) -> int | None:
+    """The number a version name ends in (`iteration:107` -> 107), or None."""
+    match = _NUMBER.search(version)
+    return int(match.group(1)) if match else None
+
+
+def policy_lag(oldest: str, current: str, history: Sequence[str] = ()) -> int | None:
+    """How many versions `oldest` is behind `current`; None when it cannot be told.
+
+    Versions named with a trailing number (`iteration:107`, the trainer's step) are compared
+    by it, which holds across model server restarts. Otherwise the model server's own record
+    of versions served (`GetWeightsResponse.recent_versions`) counts the updates between them.
+    """
+    if not oldest or oldest == current:
+        return 0
+    a, b = version_number(oldest), version_number(current)
+    if a is not None and b is not None:
+        return max(0, b - a)
+    seen = list(history)
+    if oldest in seen and current in seen:
+        return max(0, seen.index(current) - seen.index(oldest))
+    return None
+
+
+async def served_versions(client: Client, name: str) -> tuple[str, list[str]]:
+    """(current version, versions served since start) of the model server `name`."""
+    reply = await client.weights(name).GetWeights(weights_service_pb2.GetWeightsRequest())
+    return reply.weight_version, list(reply.recent_versions) or [reply.weight_version]

@@ -339,6 +339,7 @@ class GetWeightsResponse(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     UPDATABLE_FIELD_NUMBER: _builtins.int
+    RECENT_VERSIONS_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.str
     """The version serving now."""
     update_count: _builtins.int
@@ -353,6 +354,14 @@ class GetWeightsResponse(_message.Message):
     def update_time(self) -> _timestamp_pb2.Timestamp:
         """When the last update was applied; unset before the first."""
 
+    @_builtins.property
+    def recent_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The versions this server has served since it started, oldest first,
+        the current one last (at most the newest 1024). A collector measures
+        an episode's policy lag in these steps when the version names carry no
+        number (`gymrpc.weights.policy_lag`).
+        """
+
     def __init__(
         self,
         *,
@@ -361,10 +370,11 @@ class GetWeightsResponse(_message.Message):
         update_time: _timestamp_pb2.Timestamp | None = ...,
         backend: _builtins.str = ...,
         updatable: _builtins.bool = ...,
+        recent_versions: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "updatable", b"updatable", "update_count", b"update_count", "update_time", b"update_time", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "recent_versions", b"recent_versions", "updatable", b"updatable", "update_count", b"update_count", "update_time", b"update_time", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

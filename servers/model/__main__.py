@@ -70,6 +70,7 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
             api_key=key or os.environ.get("GYMRPC_UPSTREAM_API_KEY"),
             timeout=args.upstream_timeout,
             dev_abort=args.upstream_dev_abort,
+            weights_model=args.upstream_weights,
         )
     from servers.model.backends.scripted import ScriptedBackend
     from servers.model.backends.sources import CounterSolver, RecordedRollouts, ReplySource, ScriptFile
@@ -152,6 +153,14 @@ def main() -> None:
         "--upstream-dev-abort",
         action="store_true",
         help="abort through vLLM's /abort_requests (VLLM_SERVER_DEV_MODE=1), keeping partials",
+    )
+    upstream.add_argument(
+        "--upstream-weights",
+        type=Path,
+        metavar="MODEL_DIR",
+        help="take weight updates through a vLLM upstream's dev endpoints (VLLM_SERVER_DEV_MODE=1, "
+        "--worker-extension-cls servers.model.backends.vllm_weights.WeightsExtension); MODEL_DIR is the "
+        "safetensors folder it loaded, which updates must match",
     )
     add_vllm_arguments(parser)
     args = parser.parse_args()

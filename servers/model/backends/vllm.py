@@ -48,13 +48,13 @@ from typing import Any, Literal
 from gymrpc.chat import ChatTokenizer
 from gymrpc.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, Unavailable
 from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
+from servers.model.backends.vllm_weights import WEIGHTS_EXTENSION
 from servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
 
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
-WEIGHTS_EXTENSION = "servers.model.backends.vllm_weights.WeightsExtension"
-"""Mixed into vLLM's workers: stages and applies weight updates (`collective_rpc` by name)."""
+
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 # Sampling defaults a model may ship in generation_config.json, applied as `vllm serve` does.
 _MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -17,7 +17,11 @@ by name in the engine's child processes.
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+WEIGHTS_EXTENSION = "servers.model.backends.vllm_weights.WeightsExtension"
+"""The `worker_extension_cls` value (`vllm serve --worker-extension-cls ...` for an upstream)."""
 
 
 class WeightsExtension:
@@ -25,9 +29,12 @@ class WeightsExtension:
 
     _gymrpc_staged: list[tuple[str, Any]] | None = None
 
-    def gymrpc_stage_weights(self, files: list[str]) -> int:
-        """Read every tensor of `files` into memory; the bytes read."""
+    def gymrpc_stage_weights(self, files: list[str] | str) -> int:
+        """Read every tensor of `files` (a list, or its JSON: `/collective_rpc` passes strings) into memory."""
         from safetensors import safe_open
+
+        if isinstance(files, str):
+            files = json.loads(files)
 
         staged: list[tuple[str, Any]] = []
         total = 0

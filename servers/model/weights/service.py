@@ -136,6 +136,7 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
             update_count=self.switch.updates,
             backend=self.switch.name,
             updatable=self.switch.weights_unsupported() is None,
+            recent_versions=self.switch.versions(),
         )
         if self.switch.updated_at is not None:
             stamp = timestamp_pb2.Timestamp()

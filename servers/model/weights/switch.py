@@ -30,6 +30,8 @@ from gymrpc.errors import Unavailable
 from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
 from servers.model.weights.folder import TensorSpec, WeightsFolder
 
+HISTORY = 1024
+"""Versions `versions` remembers."""
 CONTINUE_WAIT = 60.0
 """Seconds an update waits for its cut generations to park, and then to start again."""
 
@@ -81,6 +83,8 @@ class WeightSwitch(ModelBackend):
         self.lock = asyncio.Lock()
         self.updates = 0
         self.updated_at: float | None = None
+        self.history: list[str] = []
+        """Versions served since start, oldest first (bounded; see `versions`)."""
 
     # -- what the wrapped backend is --------------------------------------------------------
 
@@ -260,7 +264,15 @@ class WeightSwitch(ModelBackend):
     def _done(self, applied: Applied) -> Applied:
         self.updates += 1
         self.updated_at = time.time()
+        if not self.history:
+            self.history.append(applied.previous)
+        self.history.append(applied.version)
+        del self.history[:-HISTORY]
         return applied
+
+    def versions(self) -> list[str]:
+        """Versions served since start, oldest first, the current one last."""
+        return list(self.history) or [self.weight_version]
 
     async def stage(self, folder: WeightsFolder) -> Any:
         return await self.inner.stage_weights(folder)

@@ -361,6 +361,16 @@ export declare type GetWeightsResponse = Message<"gymrpc.v1.GetWeightsResponse">
    * @generated from field: bool updatable = 5;
    */
   updatable: boolean;
+
+  /**
+   * The versions this server has served since it started, oldest first,
+   * the current one last (at most the newest 1024). A collector measures
+   * an episode's policy lag in these steps when the version names carry no
+   * number (`gymrpc.weights.policy_lag`).
+   *
+   * @generated from field: repeated string recent_versions = 6;
+   */
+  recentVersions: string[];
 };
 
 /**
