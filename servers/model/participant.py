@@ -280,7 +280,11 @@ class ModelParticipant(Participant):
         self._pending = {e for e in self._pending if not self.marks.is_retired(e)}
 
     def details(self) -> dict[str, str]:
-        return {"backend": self.backend.name, "ledger_tokens": str(self.ledger.tokens())}
+        return {
+            "backend": self.backend.name,
+            "ledger_tokens": str(self.ledger.tokens()),
+            "weight_version": self.backend.weight_version,
+        }
 
 
 def _merge(into: tuple[list[rec_pb.CaptureRow], list[rec_pb.GenerationCut]], body: rec_pb.ModelEpisodeRecord) -> None:

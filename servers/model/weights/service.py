@@ -204,8 +204,9 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
         plane = self.plane
         if plane is None:
             return
-        if plane.fence.phase is not Phase.IDLE or plane.awaiting_restore:
-            active = plane.fence.active or "(awaiting restore)"
+        # A process awaiting a restore takes updates: its trainer loads the checkpoint's weights first.
+        if plane.fence.phase is not Phase.IDLE:
+            active = plane.fence.active
             raise Aborted(
                 f"checkpoint {active} is open on this model server; a weight update would change what it "
                 "captures. Nothing was loaded: update after it resumes",
