@@ -18,7 +18,9 @@ import shutil
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -30,7 +32,7 @@ from gymrpc.v1 import weights_service_pb2 as pb
 from gymrpc.v1 import weights_service_pb2_grpc as pb_grpc
 from servers.bootstrap import ServiceBinding
 from servers.model.weights import upload
-from servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES, check_matches, open_folder
+from servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES, WeightsFolder, check_matches, open_folder
 from servers.model.weights.switch import Applied, Mode, WeightSwitch
 
 log = logging.getLogger(__name__)
@@ -215,6 +217,10 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
             )
 
     async def _update(self, path: str | Path, version: str, mode: Mode) -> pb.UpdateWeightsResponse:
+        return await self.apply(await self.stage(path, version), mode)
+
+    async def stage(self, path: str | Path, version: str) -> Staged:
+        """Check everything and read the new weights in; nothing serving changes."""
         self._check_no_checkpoint()
         if (why := self.switch.weights_unsupported()) is not None:
             raise Unimplemented(why)
@@ -228,10 +234,14 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
         if specs is not None:
             check_matches(folder.specs(), specs)
         staged = await self.switch.stage(folder)
-        stage_s = time.monotonic() - started
+        return Staged(folder, staged, version, time.monotonic() - started)
+
+    async def apply(self, staged: Staged, mode: Mode) -> pb.UpdateWeightsResponse:
+        """Swap staged weights in under `mode`, unless a checkpoint opened meanwhile."""
+        folder, version, stage_s = staged.folder, staged.version, staged.stage_s
         async with self.switch.lock:
             self._check_no_checkpoint()  # one may have opened while we staged
-            applied = await self.switch.apply(staged, version, mode)
+            applied = await self.switch.apply(staged.backend_staged, version, mode)
         log.info(
             "weights updated",
             extra={
@@ -247,6 +257,16 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
         reply = _reply(applied, len(folder.tensors), folder.size_bytes)
         reply.stage_duration.CopyFrom(_duration(stage_s))
         return reply
+
+
+@dataclass(frozen=True)
+class Staged:
+    """New weights checked and read in, not yet serving."""
+
+    folder: WeightsFolder
+    backend_staged: Any
+    version: str
+    stage_s: float
 
 
 def _fingerprint(message: pb.UpdateWeightsRequest | pb.UploadWeightsHeader) -> str:
