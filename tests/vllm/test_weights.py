@@ -129,19 +129,31 @@ def test_keep_update_loses_no_generation_and_recomputes_nothing(
 
 
 def test_the_loaded_weights_are_the_new_models_as_transformers_computes_them(
-    switch: WeightSwitch, loop_thread: Any, other_model: Path
+    switch: WeightSwitch, loop_thread: Any, other_model: Path, random_model: Path
 ) -> None:
+    """Greedy ids and their logprobs after the update are model B's (teacher-forced in transformers),
+    not model A's: random tiny models agree on greedy ids, so the logprobs tell them apart."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    sampling = Sampling(max_tokens=32, temperature=0.0)
     loop_thread.run(WeightsServicer(switch)._update(other_model.resolve(), "b:2", Mode.KEEP))
-    got = loop_thread.run(switch.generate(PROMPT.token_ids, GREEDY, "after-b"))
-    model = AutoModelForCausalLM.from_pretrained(other_model, dtype=torch.float32).eval()
-    prompt = torch.tensor([PROMPT.token_ids])
-    with torch.no_grad():
-        expected = model.generate(prompt, max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, prompt.shape[1] :]
-    assert list(got.token_ids) == expected.tolist()
+    got = loop_thread.run(switch.generate(PROMPT.token_ids, sampling, "after-b"))
     assert got.weight_version == "b:2"
+    assert got.logprobs is not None
+    full = torch.tensor([[*PROMPT.token_ids, *got.token_ids]])
+    start = len(PROMPT.token_ids)
+    expected = {}
+    for label, path in (("b", other_model), ("a", random_model)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            generated = model.generate(full[:, :start], max_new_tokens=sampling.max_tokens, do_sample=False)
+            logits = model(full).logits[0, start - 1 : -1].float()
+        ids = torch.tensor(got.token_ids).unsqueeze(-1)
+        expected[label] = (generated[0, start:].tolist(), logits.log_softmax(-1).gather(-1, ids).squeeze(-1).tolist())
+    assert list(got.token_ids) == expected["b"][0]
+    assert list(got.logprobs) == pytest.approx(expected["b"][1], abs=2e-3)
+    assert list(got.logprobs) != pytest.approx(expected["a"][1], abs=2e-3)
 
 
 def test_cut_update_recomputes_at_most_one_kv_block_per_generation(
