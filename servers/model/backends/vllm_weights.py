@@ -7,9 +7,8 @@ it by name through `AsyncLLM.collective_rpc` and tensors never cross a process b
   goes on. A file that fails to read (truncated, corrupt) raises here, before anything changed.
 - `gymrpc_apply_weights()`: inside the pause, load the staged tensors through vLLM's in-place
   reload (`reload_weights(weights_iterator=..., is_checkpoint_format=True)`), which re-runs each
-  layer's weight processing. That is what makes it correct on a CPU too: there the linear
-  layers' weights are repacked for oneDNN when processed (`dispatch_cpu_unquantized_gemm`), so
-  copying into the parameters (what a naive load does) would leave the packed copy unchanged.
+  layer's weight processing. On a CPU that is not enough (vLLM 0.32 leaves the oneDNN-packed
+  linear layers stale), so `VllmBackend` refuses updates there.
 
 This module imports only what vLLM's worker has (torch, safetensors); it must stay importable
 by name in the engine's child processes.
