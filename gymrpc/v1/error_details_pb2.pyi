@@ -169,6 +169,18 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The method is not implemented by this server. Code UNIMPLEMENTED."""
     ERROR_REASON_UNKNOWN: _ErrorReason.ValueType  # 49
     """An error without a more specific reason. Code UNKNOWN."""
+    ERROR_REASON_WEIGHTS_MISMATCH: _ErrorReason.ValueType  # 50
+    """New weights do not fit the loaded model: a tensor is missing or extra,
+    or its shape or dtype differs. Nothing was loaded. Code FAILED_PRECONDITION.
+    """
+    ERROR_REASON_CORRUPT_WEIGHTS: _ErrorReason.ValueType  # 51
+    """A weights file is unreadable, not a valid safetensors file, or fails its
+    sha256. Nothing was loaded. Code INVALID_ARGUMENT.
+    """
+    ERROR_REASON_WEIGHT_VERSION_MISMATCH: _ErrorReason.ValueType  # 52
+    """A checkpoint was taken under other weights than the ones loaded now; the
+    message names both. Code FAILED_PRECONDITION.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -327,4 +339,16 @@ ERROR_REASON_UNIMPLEMENTED: ErrorReason.ValueType  # 48
 """The method is not implemented by this server. Code UNIMPLEMENTED."""
 ERROR_REASON_UNKNOWN: ErrorReason.ValueType  # 49
 """An error without a more specific reason. Code UNKNOWN."""
+ERROR_REASON_WEIGHTS_MISMATCH: ErrorReason.ValueType  # 50
+"""New weights do not fit the loaded model: a tensor is missing or extra,
+or its shape or dtype differs. Nothing was loaded. Code FAILED_PRECONDITION.
+"""
+ERROR_REASON_CORRUPT_WEIGHTS: ErrorReason.ValueType  # 51
+"""A weights file is unreadable, not a valid safetensors file, or fails its
+sha256. Nothing was loaded. Code INVALID_ARGUMENT.
+"""
+ERROR_REASON_WEIGHT_VERSION_MISMATCH: ErrorReason.ValueType  # 52
+"""A checkpoint was taken under other weights than the ones loaded now; the
+message names both. Code FAILED_PRECONDITION.
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

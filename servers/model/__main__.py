@@ -6,6 +6,8 @@ python -m servers.model --policy counter --recorded env:blackjack   # an env's b
 python -m servers.model --backend openai --upstream-url http://127.0.0.1:8011 [--upstream-mode auto|tokens|chat]
 python -m servers.model --backend vllm --model-path DIR [--dtype bfloat16] [--tensor-parallel-size 2]
 python -m servers.model --policy counter --openai-port 0 --replay-dir DIR   # + the OpenAI HTTP front door
+
+With a control token the server also serves WeightsService: new weights while episodes run.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from servers.model.openai_front import OPENAI_LABEL, add_openai_arguments, start
 from servers.model.participant import ModelParticipant
 from servers.model.requests import Limits
 from servers.model.service import ModelServicer
+from servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES
+from servers.model.weights.service import WeightsServicer, weights_binding
 from servers.participant import add_participant_arguments, start_plane, wants_participant
 
 POLICIES = ("counter",)
@@ -72,6 +76,7 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
             dev_abort=args.upstream_dev_abort,
             mode=args.upstream_mode,
             tokenizer=tokenizer,
+            weights_model=args.upstream_weights,
         )
     from servers.model.backends.scripted import ScriptedBackend
     from servers.model.backends.sources import CounterSolver, RecordedRollouts, ReplySource, ScriptFile
@@ -86,6 +91,7 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
         weight_version=args.weight_version or "scripted:0",
         fallback=args.fallback,
         token_delay=args.token_delay,
+        weights=args.weights,
     )
 
 
@@ -126,6 +132,30 @@ def main() -> None:
     scripted.add_argument("--policy", action="append", default=[], choices=POLICIES, help="built-in policy")
     scripted.add_argument("--fallback", help="reply text when no source knows the turn (default: an error)")
     scripted.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
+    scripted.add_argument(
+        "--weights",
+        type=Path,
+        help="a safetensors folder standing for the loaded weights: updates must match its tensors",
+    )
+    updates = parser.add_argument_group("weight updates (WeightsService; needs the control token)")
+    updates.add_argument(
+        "--weights-staging-dir",
+        type=Path,
+        help="where UploadWeights writes streamed files before loading them (default: a folder under $TMPDIR)",
+    )
+    updates.add_argument(
+        "--max-weights-bytes",
+        type=int,
+        default=DEFAULT_MAX_TOTAL_BYTES,
+        help="largest update in bytes, streamed or by path (default %(default)s)",
+    )
+    updates.add_argument(
+        "--weights-root",
+        action="append",
+        default=[],
+        type=Path,
+        help="UpdateWeights paths must lie inside this folder (repeatable; default: any absolute path)",
+    )
     upstream = parser.add_argument_group("openai backend")
     upstream.add_argument(
         "--upstream-url",
@@ -148,6 +178,14 @@ def main() -> None:
         "--upstream-dev-abort",
         action="store_true",
         help="abort through vLLM's /abort_requests (VLLM_SERVER_DEV_MODE=1), keeping partials",
+    )
+    upstream.add_argument(
+        "--upstream-weights",
+        type=Path,
+        metavar="MODEL_DIR",
+        help="take weight updates through a vLLM upstream's dev endpoints (VLLM_SERVER_DEV_MODE=1, "
+        "--worker-extension-cls servers.model.backends.vllm_weights.WeightsExtension); MODEL_DIR is the "
+        "safetensors folder it loaded, which updates must match",
     )
     add_vllm_arguments(parser)
     add_openai_arguments(parser)
@@ -191,6 +229,15 @@ def main() -> None:
         front_door, serving = await start_openai(args, servicer, config.name, config.token), config
         if front_door is not None:  # clients find the front door by the model's stable name
             serving = dataclasses.replace(config, labels={**config.labels, OPENAI_LABEL: front_door.url})
+        if config.token:
+            weights = WeightsServicer(
+                servicer.backend,
+                plane=plane,
+                staging_dir=args.weights_staging_dir,
+                max_total_bytes=args.max_weights_bytes,
+                roots=tuple(args.weights_root),
+            )
+            bindings.append(weights_binding(weights))
 
         async def stop() -> None:
             if front_door is not None:

@@ -65,6 +65,8 @@ class Generation:
     cut_requested: bool = False
     continued_at: list[int] = field(default_factory=list)
     """Offsets where the generation was continued after a cut (reported in its `TokenTrace`)."""
+    spans: list[tuple[str, int, int]] = field(default_factory=list)
+    """Which weights produced which of `token_ids` (`servers.model.spans`)."""
 
     def to_cut(self) -> rec_pb.GenerationCut:
         complete = self.state == "held"

@@ -395,6 +395,30 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_UNKNOWN = 49;
    */
   UNKNOWN = 49,
+
+  /**
+   * New weights do not fit the loaded model: a tensor is missing or extra,
+   * or its shape or dtype differs. Nothing was loaded. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_WEIGHTS_MISMATCH = 50;
+   */
+  WEIGHTS_MISMATCH = 50,
+
+  /**
+   * A weights file is unreadable, not a valid safetensors file, or fails its
+   * sha256. Nothing was loaded. Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_CORRUPT_WEIGHTS = 51;
+   */
+  CORRUPT_WEIGHTS = 51,
+
+  /**
+   * A checkpoint was taken under other weights than the ones loaded now; the
+   * message names both. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_WEIGHT_VERSION_MISMATCH = 52;
+   */
+  WEIGHT_VERSION_MISMATCH = 52,
 }
 
 /**
