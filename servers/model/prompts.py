@@ -18,8 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from gymrpc.chat import ChatTokenizer, CompletionMemory
-from gymrpc.chat.template import Message
+from gymrpc.chat import ChatTokenizer
 
 MIN_CHARS = 64
 """Pieces shorter than this are tokenised every time."""
@@ -83,19 +82,3 @@ class PromptTokenizer:
             if self._decoded and self._chars > self.max_chars:
                 _, text = self._decoded.popitem(last=False)
                 self._chars -= len(text)
-
-
-class LockedMemory(CompletionMemory):
-    """`CompletionMemory` safe to recall from render threads while the event loop remembers."""
-
-    def __init__(self, capacity: int = 4096) -> None:
-        super().__init__(capacity)
-        self._lock = threading.Lock()
-
-    def remember(self, prompt_ids: Sequence[int], message: Message, completion_ids: Sequence[int]) -> None:
-        with self._lock:
-            super().remember(prompt_ids, message, completion_ids)
-
-    def recall(self, prompt_ids: Sequence[int], message: Message) -> tuple[int, ...] | None:
-        with self._lock:
-            return super().recall(prompt_ids, message)

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from gymrpc.chat import ChatTemplate, ChatTokenizer, ParsedReply, parse_reply
+from gymrpc.chat import ChatTemplate, ChatTokenizer, CompletionMemory, ParsedReply, parse_reply
 from gymrpc.errors import InvalidArgument
 from gymrpc.messages import message_from_dict
 from gymrpc.v1 import common_pb2
@@ -27,7 +27,7 @@ from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
 from servers.model import spans as version_spans
 from servers.model.backends.base import Conversation, Finish, ModelBackend
 from servers.model.flights import Flight, FlightTable
-from servers.model.prompts import LockedMemory, PromptTokenizer
+from servers.model.prompts import PromptTokenizer
 from servers.model.requests import Checked, Limits, check_request
 from servers.model.weights.switch import WeightSwitch
 
@@ -54,7 +54,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         """The backend behind a `WeightSwitch`, which puts new weights in while generations run."""
         self.tokenizer = tokenizer
         self.limits = limits or Limits()
-        self.memory = LockedMemory(cache_size)
+        self.memory = CompletionMemory(cache_size)  # locked: renders recall from worker threads
         kwargs = {} if system_prompt is None else {"default_system": system_prompt}
         self.prompts = PromptTokenizer(tokenizer)  # the previous call's pieces come back without tokenising
         self.template = ChatTemplate(self.prompts, memory=self.memory, **kwargs)  # type: ignore[arg-type]

@@ -96,7 +96,15 @@ class WeightSwitch(ModelBackend):
     def weight_version(self) -> str:
         return str(getattr(self.inner, "weight_version", ""))
 
+    @property
+    def retokenized(self) -> bool:  # type: ignore[override]
+        return self.inner.retokenized
+
+    def status_details(self) -> dict[str, str]:
+        return self.inner.status_details()
+
     def __getattr__(self, attr: str) -> Any:
+        # What the base class defines is found before this; what a backend overrides is forwarded above.
         if attr == "inner":
             raise AttributeError(attr)
         # Backend-specific extras (vLLM's pause, cached_tokens, engine) stay reachable.
