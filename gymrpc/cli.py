@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from gymrpc import logs, rundir
+from gymrpc.launch.options import check_stack_args
 from gymrpc.launch.spec import load_stack_spec
 
 
@@ -46,6 +47,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
     try:
         spec = load_stack_spec(Path(args.config) if args.config else None)
+        check_stack_args(spec.servers)
     except ValueError as exc:
         print(f"gymrpc up: {exc}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ class ServerSpec:
     role: str
     """`resources`, `agent`, `model`, or a module path run with `python -m`."""
     args: Mapping[str, Any] = field(default_factory=dict)
-    """Role options, passed as `--key value` flags (`True` as a bare flag)."""
+    """Role options, passed as `--key value` flags; `true`/`false` for switches (`--x` / `--no-x`), lists repeat."""
     bind: str = "127.0.0.1:0"
     env: Mapping[str, str] = field(default_factory=dict)
     start_timeout: float = 60.0
@@ -71,14 +71,10 @@ class ServerSpec:
         return self.name if self.replicas == 1 else f"{self.name}#{endpoint_id}"
 
     def argv(self) -> list[str]:
-        out: list[str] = []
-        for key, value in self.args.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                out.append(flag)
-            elif value is not False and value is not None:
-                out += [flag, str(value)]
-        return out
+        """`args` as flags, checked against the role's own options (`gymrpc.launch.options`)."""
+        from gymrpc.launch.options import server_argv
+
+        return server_argv(self.name, self.module, self.args)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ SWEEP_INTERVAL = 600.0
 """Seconds between deletions of expired completed episodes."""
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's options; `gymrpc up` checks stack args against them before starting anything."""
     parser = argparse.ArgumentParser(prog="python -m servers.agent", description=__doc__)
     add_common_arguments(parser, default_name="agent/simple")
     defaults = AgentConfig()
@@ -95,6 +96,11 @@ def main() -> None:
         help="how saves are made durable: fsync per file (default) or syncfs per batch",
     )
     add_participant_arguments(parser)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     server_config = config_from_arguments(args)
     if not server_config.registry:
