@@ -1,4 +1,4 @@
-"""`Controller`: drives coordinated checkpoints across every participant of a stack (SPEC §7).
+"""`Controller`: drives coordinated checkpoints across every participant of a stack (docs/design.md §7).
 
     async with gymrpc.Client() as client:
         controller = gymrpc.Controller(client)
@@ -39,8 +39,16 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from gymrpc.client import Client
 from gymrpc.control.index import endpoint_order, index_sources, read_index, sources_of, write_index
-from gymrpc.control.types import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind
-from gymrpc.errors import GymrpcError, Unimplemented
+from gymrpc.control.types import (
+    PREPARE_ORDER,
+    RECOVERY_DURABLE,
+    RECOVERY_LABEL,
+    RESUME_ORDER,
+    RETIRE_ORDER,
+    EpisodeKey,
+    Kind,
+)
+from gymrpc.errors import FailedPrecondition, GymrpcError, Unimplemented
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import participant_service_pb2 as pb
@@ -140,6 +148,25 @@ class CheckpointResult:
         return sources_of((m.name, m.endpoint_id) for m in self.manifests.values())
 
 
+def _refuse_durable_agents(listed: Iterable[Any]) -> None:
+    """A checkpoint would silently leave out the episodes of an agent with durable resume: refuse the stack."""
+    durable = sorted({e.name for e in listed if e.labels.get(RECOVERY_LABEL) == RECOVERY_DURABLE})
+    if durable:
+        raise CoordinationError(
+            "discover",
+            {
+                name: FailedPrecondition(
+                    f"{name} runs durable resume (--resume-dir): it is not a ParticipantService participant, "
+                    "so a coordinated checkpoint would leave its episodes out; run that agent without "
+                    "resume_dir to checkpoint it, or recover it by durable resume alone (no controller)",
+                    reason="INVALID_REQUEST",
+                    metadata={"service": name, "recovery": RECOVERY_DURABLE},
+                )
+                for name in durable
+            },
+        )
+
+
 def new_checkpoint_id(prefix: str = "ckpt") -> str:
     return f"{prefix}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
 
@@ -201,6 +228,7 @@ class Controller:
             names = [_Endpoint(n, None, 1) for n in self._names]
             resolved = await self._fan("discover", names, lambda t: registry.resolve(t.name))
             listed = [e for t in names for e in resolved[t.label]]
+        _refuse_durable_agents(listed)
         ids: dict[str, set[str]] = {}
         for endpoint in listed:
             ids.setdefault(endpoint.name, set()).add(endpoint.endpoint_id)

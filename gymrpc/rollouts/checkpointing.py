@@ -1,4 +1,4 @@
-"""`gymrpc rollouts --checkpoint-dir`: the collector as the controller of coordinated checkpoints (SPEC §7).
+"""`gymrpc rollouts --checkpoint-dir`: the collector as the controller of coordinated checkpoints (docs/design.md §7).
 
 The collector knows which episodes are in flight, so it is the one controller that can
 name a commit's scope. A checkpoint is taken every `--checkpoint-every` seconds, on

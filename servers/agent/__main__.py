@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gymrpc.client import Client
+from gymrpc.control.types import RECOVERY_DURABLE, RECOVERY_LABEL
 from gymrpc.errors import GymrpcError
 from gymrpc.ids import check_service_name
 from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.call_timeout,
         help="seconds one resources or model call may take, retries included (default %(default)s)",
     )
-    resume = parser.add_argument_group("durable resume (SPEC §6)")
+    resume = parser.add_argument_group("durable resume (docs/design.md §6)")
     resume.add_argument("--resume-dir", type=Path, help="checkpoint every episode under this folder; off when unset")
     resume.add_argument(
         "--completed-ttl",
@@ -103,6 +104,9 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     server_config = config_from_arguments(args)
+    if args.resume_dir is not None:
+        # Controllers read it in the registry: this agent is no participant, so they refuse the stack.
+        server_config.labels[RECOVERY_LABEL] = RECOVERY_DURABLE
     if not server_config.registry:
         parser.error("the agent finds resources and model through a registry: pass --registry or set $GYMRPC_REGISTRY")
     try:

@@ -1,4 +1,4 @@
-"""Per-episode durable resume (SPEC §6): save at every boundary, continue a retried `Run` from the last one.
+"""Per-episode durable resume (docs/design.md §6): save at every boundary, continue a retried `Run` from the last one.
 
 One `Run` of an episode holds its store lease from start to end, so two runs never
 interleave. It loads the record and decides, in this order:

@@ -1,4 +1,4 @@
-"""The state of one episode, kept explicit so it can be checkpointed at every boundary (SPEC §6).
+"""The state of one episode, kept explicit so it can be checkpointed at every boundary (docs/design.md §6).
 
 Everything the loop needs to continue an episode lives in `EpisodeState`: the phase, the
 step counter, the conversation so far, the pending tool calls with the index of the next

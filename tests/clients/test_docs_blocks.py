@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,16 @@ from gymrpc.launch.spec import parse_stack_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
+BLOCK = re.compile(r"^( *)```(\w+)\n(.*?)^\1```", re.M | re.S)
+
+
+def _blocks_of(text: str, language: str) -> list[str]:
+    """Fenced blocks in `language`, those indented in a list item dedented."""
+    return [textwrap.dedent(body) for _, lang, body in BLOCK.findall(text) if lang == language]
 
 
 def _blocks(page: Path, language: str) -> list[str]:
-    return [body for lang, body in BLOCK.findall(page.read_text()) if lang == language]
+    return _blocks_of(page.read_text(), language)
 
 
 def _stack_blocks() -> list[tuple[str, str]]:
@@ -63,10 +69,6 @@ def _workplace() -> tuple[str, str]:
     return stack, commands
 
 
-def _blocks_of(text: str, language: str) -> list[str]:
-    return [body for lang, body in BLOCK.findall(text) if lang == language]
-
-
 def test_readme_workplace_stack_runs_as_written_with_live_verify(run_dir: Path, tmp_path: Path) -> None:
     stack, commands = _workplace()
     assert stack.startswith("# workplace.yaml\n")
@@ -88,3 +90,16 @@ def test_readme_workplace_stack_runs_as_written_with_live_verify(run_dir: Path, 
     lines = [json.loads(line) for line in (tmp_path / "workplace.jsonl").read_text().splitlines()]
     assert [line["reward"] for line in sorted(lines, key=lambda r: r["task_index"])] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert {json.loads(line["trajectory"]["verify_details_json"])["verify_mode"] for line in lines} == {"live"}
+
+
+def test_the_documented_index_json_is_what_the_controller_writes() -> None:
+    from google.protobuf import json_format
+
+    from gymrpc.control.index import _index_text
+    from gymrpc.v1 import participant_service_pb2 as pb
+
+    (example,) = _blocks(ROOT / "docs" / "controllers.md", "json")
+    documented = json_format.Parse(example, pb.CheckpointIndex())
+    assert documented.members[0].kind == pb.PARTICIPANT_KIND_RESOURCES
+    written = json.loads(_index_text(documented))
+    assert written == json.loads(example)
