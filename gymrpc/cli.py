@@ -178,6 +178,24 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
     return command.run(args, _run_dir(args))
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from gymrpc.rollouts.report import read_results, report
+
+    try:
+        summary = report(args.results)
+        skipped = read_results(args.results)[1]
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"gymrpc report: {args.results}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**summary.to_json(), "unreadable_lines": skipped}))
+    else:
+        print("\n".join(summary.lines()))
+        if skipped:
+            print(f"skipped   {skipped} lines that are not results (a partial last line of a killed run?)")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from gymrpc import demo
 
@@ -220,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--run-dir", default=argparse.SUPPRESS)
     add_rollouts_arguments(rollouts)
     rollouts.set_defaults(func=cmd_rollouts)
+    report = sub.add_parser("report", help="the summary of a results file, rebuilt from its lines")
+    report.add_argument("results", type=Path, help="a results JSONL written by gymrpc rollouts")
+    report.add_argument("--json", action="store_true", help="the summary as one JSON object")
+    report.set_defaults(func=cmd_report)
     from gymrpc.demo import add_arguments as add_demo_arguments
 
     demo = sub.add_parser("demo", help="launch the default stack, collect rollouts, crash it, resume from checkpoints")
@@ -241,9 +263,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE, what a shell reports for a command whose reader went away."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `gymrpc status | head`: the reader left; that is not an error to report
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

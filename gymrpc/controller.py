@@ -16,7 +16,9 @@ checkpoint restores onto any number of replicas. Orders (`gymrpc.control.types`)
 stage (environment, model, agent, resources) and stop at the first stage not prepared by
 the deadline; commit and restore all at once; resume in reverse, past failures (a
 participant that cannot be reached aborts by itself when its lease runs out); retire and
-forget callers before callees. Restore is all or nothing: on any failure the half
+forget callers before callees. When the registry itself does not answer, an operation raises
+`gymrpc.errors.RegistryUnavailable` (the stack is gone), never a `CoordinationError` that
+would read as some participants failing. Restore is all or nothing: on any failure the half
 installed attempts are retired everywhere and everyone is resumed before the error is raised.
 
 Once every member committed, the controller writes the checkpoint's index last
@@ -48,7 +50,7 @@ from gymrpc.control.types import (
     EpisodeKey,
     Kind,
 )
-from gymrpc.errors import FailedPrecondition, GymrpcError, Unimplemented
+from gymrpc.errors import FailedPrecondition, GymrpcError, RegistryUnavailable, Unimplemented
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import participant_service_pb2 as pb
@@ -263,6 +265,9 @@ class Controller:
             else:
                 replies[target.label] = result
         if failures:
+            gone = next((e for e in failures.values() if isinstance(e, RegistryUnavailable)), None)
+            if gone is not None:
+                raise gone  # the whole stack, not some participants: say so, not "failed on N"
             raise CoordinationError(operation, failures)
         return replies
 

@@ -118,6 +118,7 @@ async def _main(args: argparse.Namespace, tasks: list[RolloutTask], skip: set[st
                 if control.stopped and not result.ok:
                     return  # refused by the parked stack: not an outcome, the checkpoint has it
                 control.finished(result.episode_id)
+                result.checkpoint = control.outcome(result.episode_id)
             writer.write(result.to_json())
             results.append(result)
             if progress is not None:

@@ -213,6 +213,7 @@ class DurableEpisodes:
                     extra={"episode": state.label, "phase": Phase(record.phase).name, "error": err.message},
                 )
                 await self._back_to_last_save(record, state)
+                state.session_recoveries += 1
                 continue
             if self.crash is not None:
                 self._crash_point(phase, state)

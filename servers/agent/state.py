@@ -92,6 +92,8 @@ class EpisodeState:
     failovers: int = 0
     """Calls of the episode that moved to another replica after one failed, across every process
     that ran it (checkpointed): this process adds what its client counts (`EpisodeLoop.failovers`)."""
+    session_recoveries: int = 0
+    """Times this process went back to the last durable save after losing the resources session."""
     failovers_seen: int | None = None
     """This process's client count for the episode when last added to `failovers`; None until this
     process first looks (not checkpointed: counts of another process mean nothing here)."""
@@ -156,4 +158,5 @@ class EpisodeState:
             usage=self.usage,
             timing=common_pb2.Timing(total=duration(self.elapsed_s), parked=duration(self.parked_s)),
             failovers=self.failovers,
+            session_recoveries=self.session_recoveries,
         )

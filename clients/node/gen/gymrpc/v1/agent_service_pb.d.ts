@@ -319,6 +319,15 @@ export declare type Trajectory = Message<"gymrpc.v1.Trajectory"> & {
    * @generated from field: uint32 failovers = 16;
    */
   failovers: number;
+
+  /**
+   * Times the agent lost the episode's resources session (its resources
+   * server restarted) and went back to the episode's last durable checkpoint
+   * to continue (durable resume only), in the processes that ran it since.
+   *
+   * @generated from field: uint32 session_recoveries = 17;
+   */
+  sessionRecoveries: number;
 };
 
 /**
