@@ -117,7 +117,8 @@ def _format_table(run_dir: Path, state: dict | None, health: dict[str, str] | No
         rows.append(
             (
                 s["name"],
-                s["state"],
+                s["state"]
+                + (f" (backoff {s['backoff_s']:g}s)" if s["state"] == "restarting" and s.get("backoff_s") else ""),
                 (health or {}).get(s["name"], "") if health is not None else "",
                 str(s["pid"] or "-"),
                 s["address"] or "-",

@@ -29,6 +29,8 @@ class ServerState:
     """Which replica of the name this is (`name` is `service#id` when a name has several)."""
     node: str | None = None
     """Where the process runs (Ray: the node's IP; local: unset)."""
+    backoff_s: float | None = None
+    """The pause before the latest restart (a crash loop grows it); `gymrpc status` shows it while restarting."""
 
 
 class Launcher(Protocol):

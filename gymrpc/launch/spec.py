@@ -27,11 +27,15 @@ ROLE_MODULES = {
 class RestartPolicy:
     """How the supervisor restarts servers that die."""
 
-    max_restarts: int = 5
-    """Restarts allowed within `window_seconds`; past that the server is left down (state `failed`)."""
+    max_restarts: int | None = None
+    """A hard limit: restarts allowed within `window_seconds`, past which the server is left down
+    (state `failed`). None (the default): never give up, back off instead (a crash loop)."""
     window_seconds: float = 60.0
+    """Restarts this recent count as one crash loop: each doubles the next pause."""
     backoff_seconds: float = 0.2
-    """Pause before a restart, doubled for each recent restart (at most 5 s)."""
+    """Pause before a restart, doubled for each restart within `window_seconds`, up to `max_backoff_seconds`."""
+    max_backoff_seconds: float = 30.0
+    """Longest pause between restarts of a server that keeps dying (`gymrpc status` shows it)."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,10 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
         policy = RestartPolicy(**restart)
     except TypeError as exc:
         raise _fail(where, f"restart: {exc}") from None
+    if policy.max_restarts is not None and (
+        isinstance(policy.max_restarts, bool) or not isinstance(policy.max_restarts, int) or policy.max_restarts < 0
+    ):
+        raise _fail(where, f"restart: max_restarts must be an integer >= 0 or null, got {policy.max_restarts!r}")
     launcher = str(data.get("launcher", "local"))
     if launcher not in LAUNCHERS:
         raise _fail(where, f"launcher {launcher!r} is not available (only {', '.join(map(repr, LAUNCHERS))})")

@@ -123,3 +123,46 @@ def test_missing_or_broken_config_files(run_dir: Path) -> None:
     with pytest.raises(ValueError, match="not valid YAML"):
         load_stack_spec(broken)
     assert load_stack_spec(None).servers  # the embedded default parses
+
+
+def test_by_default_a_crash_loop_backs_off_and_keeps_trying(start_stack) -> None:  # type: ignore[no-untyped-def]
+    policy = {"backoff_seconds": 0.02, "max_backoff_seconds": 0.16, "window_seconds": 600}
+    stack = start_stack({**COUNTER, "restart": policy})
+    for expected in range(1, 8):  # past the old default budget (5 in 60 s): never `failed`
+        stack.kill("resources/counter")
+        stack.wait_for("resources/counter", lambda s, n=expected: s["state"] == "serving" and s["restarts"] == n)
+    server = stack.server("resources/counter")
+    assert server["backoff_s"] == 0.16  # doubled per restart in the window, up to the cap
+
+
+def test_status_shows_the_backoff_of_a_restarting_server(tmp_path: Path) -> None:
+    from gymrpc.cli import _format_table
+
+    state = {
+        "state": "serving",
+        "launcher_pid": 1,
+        "registry": "unix:/x",
+        "servers": [
+            {
+                "name": "a/b",
+                "state": "restarting",
+                "pid": None,
+                "address": None,
+                "restarts": 9,
+                "last_exit": "code 1",
+                "backoff_s": 12.8,
+            },
+            {
+                "name": "a/c",
+                "state": "serving",
+                "pid": 2,
+                "address": "127.0.0.1:1",
+                "restarts": 1,
+                "last_exit": None,
+                "backoff_s": 0.2,
+            },
+        ],
+    }
+    table = _format_table(tmp_path, state)
+    assert "restarting (backoff 12.8s)" in table
+    assert "serving (backoff" not in table
