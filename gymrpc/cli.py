@@ -15,17 +15,11 @@ from pathlib import Path
 from gymrpc import logs, rundir
 from gymrpc.launch.options import check_stack_args
 from gymrpc.launch.spec import load_stack_spec
+from gymrpc.launch.status import format_table, read_state
 
 
 def _run_dir(args: argparse.Namespace) -> Path:
     return Path(args.run_dir).absolute() if args.run_dir else rundir.default_run_dir()
-
-
-def _read_state(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / rundir.STATE_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 def _alive(pid: int) -> bool:
@@ -53,7 +47,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     if args.detach:
         return _up_detached(args, run_dir)
-    from gymrpc.launch.base import create_launcher
+    from gymrpc.launch import create_launcher
 
     logs.configure("launcher")
 
@@ -70,7 +64,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             starting.cancel()
         else:
             starting.result()
-            print(_format_table(run_dir, _read_state(run_dir)), file=sys.stderr, flush=True)
+            print(format_table(run_dir, read_state(run_dir)), file=sys.stderr, flush=True)
             await stopped
         await launcher.stop()
 
@@ -92,9 +86,9 @@ def _up_detached(args: argparse.Namespace, run_dir: Path) -> int:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        state = _read_state(run_dir)
+        state = read_state(run_dir)
         if state and state.get("launcher_pid") == proc.pid and state.get("state") == "serving":
-            print(_format_table(run_dir, state))
+            print(format_table(run_dir, state))
             return 0
         if proc.poll() is not None:
             tail = (run_dir / "launcher.log").read_text(errors="replace").splitlines()[-15:]
@@ -109,34 +103,9 @@ def _up_detached(args: argparse.Namespace, run_dir: Path) -> int:
     return 1
 
 
-def _format_table(run_dir: Path, state: dict | None, health: dict[str, str] | None = None) -> str:
-    if not state:
-        return f"no stack in {run_dir}"
-    rows = [("NAME", "STATE", "HEALTH" if health is not None else "", "PID", "ADDRESS", "RESTARTS", "LAST EXIT")]
-    for s in state["servers"]:
-        rows.append(
-            (
-                s["name"],
-                s["state"]
-                + (f" (backoff {s['backoff_s']:g}s)" if s["state"] == "restarting" and s.get("backoff_s") else ""),
-                (health or {}).get(s["name"], "") if health is not None else "",
-                str(s["pid"] or "-"),
-                s["address"] or "-",
-                str(s["restarts"]),
-                s["last_exit"] or "-",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-        f"stack {state['state']} in {run_dir} (launcher pid {state['launcher_pid']}, registry {state['registry']})"
-    ]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(lines)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
-    state = _read_state(run_dir)
+    state = read_state(run_dir)
     if not state or not _alive(state["launcher_pid"]) or state["state"] == "stopped":
         print(f"no running stack in {run_dir}")
         return 3
@@ -151,13 +120,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**state, "health": health}, indent=2))
     else:
-        print(_format_table(run_dir, state, health))
+        print(format_table(run_dir, state, health))
     return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
-    state = _read_state(run_dir)
+    state = read_state(run_dir)
     if not state or not _alive(state["launcher_pid"]):
         print(f"no running stack in {run_dir}")
         return 0

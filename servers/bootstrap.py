@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gymrpc import auth, logs
 from gymrpc.channels import server_options
+from gymrpc.errors import NotFound, Unavailable
 from gymrpc.ids import check_endpoint_id, check_service_name
 from gymrpc.registry import NameLease, RegistryClient
 from gymrpc.rundir import write_text_atomic
@@ -71,6 +72,9 @@ class ServerConfig:
     labels: dict[str, str] = field(default_factory=dict)
     max_inflight_calls: int = DEFAULT_MAX_INFLIGHT_CALLS
     """Calls run at once; more wait in gRPC's queue only until admitted, then get OVERLOADED."""
+    depends_on: tuple[str, ...] = ()
+    """Stable names this server calls: it registers and reports SERVING only once each resolves,
+    so a client that sees it ready never gets NOT_FOUND for them (the agent's resources and model)."""
 
 
 class RunningServer:
@@ -154,11 +158,16 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
     )
     address, lock_fd = _bind(server, config.bind)
     await server.start()
-    for service in ("", *names):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     lease = registry = None
     if config.registry:
         registry = RegistryClient(config.registry, token=config.token)
+        if config.depends_on:
+            for service in ("", *names):
+                await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await _await_names(registry, config.name, config.depends_on)
+    for service in ("", *names):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if registry is not None:
         lease = NameLease(
             registry,
             config.name,
@@ -172,6 +181,23 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
         write_text_atomic(config.ready_file, json.dumps({"address": address, "pid": os.getpid(), "name": config.name}))
     log.info("serving", extra={"service": config.name, "address": address, "services": ",".join(names)})
     return RunningServer(server, address, health_servicer, lease, registry, config.grace, lock_fd, admission)
+
+
+async def _await_names(registry: RegistryClient, name: str, depends_on: Sequence[str]) -> None:
+    """Until every name in `depends_on` resolves (the launcher's start timeout bounds the wait)."""
+    for wanted in depends_on:
+        delay, said = 0.02, False
+        while True:
+            try:
+                if await registry.resolve(wanted):
+                    break
+            except (NotFound, Unavailable):
+                pass
+            if not said:
+                log.info("waiting for a name it depends on to register", extra={"service": name, "depends_on": wanted})
+                said = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
 
 async def serve(

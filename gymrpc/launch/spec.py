@@ -144,7 +144,19 @@ def with_vllm_model(
         dataclasses.replace(s, args=args, start_timeout=max(s.start_timeout, start_timeout)) if s.name == name else s
         for s in spec.servers
     )
-    return dataclasses.replace(spec, servers=servers)
+    return dataclasses.replace(spec, servers=tuple(with_dependency_timeouts(list(servers))))
+
+
+def with_dependency_timeouts(servers: list[ServerSpec]) -> list[ServerSpec]:
+    """A server whose args name another server of the stack (an agent's `resources`, `model`) is
+    ready only once those names resolve, so its start timeout also covers theirs."""
+    timeouts = {s.name: s.start_timeout for s in servers}
+    out = []
+    for server in servers:
+        named = {v for v in server.args.values() if isinstance(v, str) and v in timeouts and v != server.name}
+        extra = max((timeouts[n] for n in named), default=0.0)
+        out.append(dataclasses.replace(server, start_timeout=server.start_timeout + extra) if extra else server)
+    return out
 
 
 def _fail(where: str, message: str) -> ValueError:
@@ -186,6 +198,7 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
         )
     if not servers:
         raise _fail(where, "'servers' must list at least one server")
+    servers = with_dependency_timeouts(servers)
     registry = data.get("registry") or {}
     restart = data.get("restart") or {}
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import resource
 from dataclasses import asdict
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
-    server_config = config_from_arguments(args)
+    server_config = dataclasses.replace(config_from_arguments(args), depends_on=(args.resources, args.model))
     if args.resume_dir is not None:
         # Controllers read it in the registry: this agent is no participant, so they refuse the stack.
         server_config.labels[RECOVERY_LABEL] = RECOVERY_DURABLE

@@ -136,7 +136,7 @@ def test_by_default_a_crash_loop_backs_off_and_keeps_trying(start_stack) -> None
 
 
 def test_status_shows_the_backoff_of_a_restarting_server(tmp_path: Path) -> None:
-    from gymrpc.cli import _format_table
+    from gymrpc.launch.status import format_table
 
     state = {
         "state": "serving",
@@ -163,6 +163,41 @@ def test_status_shows_the_backoff_of_a_restarting_server(tmp_path: Path) -> None
             },
         ],
     }
-    table = _format_table(tmp_path, state)
+    table = format_table(tmp_path, state)
     assert "restarting (backoff 12.8s)" in table
     assert "serving (backoff" not in table
+
+
+def test_an_agent_is_ready_only_once_the_names_it_depends_on_resolve(run_dir: Path) -> None:
+    # Its resources name never registers: the agent never registers or reports SERVING, so
+    # `gymrpc up` fails at the start timeout naming the wait, instead of a stack that looks ready.
+    config = {
+        "servers": [
+            {"name": "model/policy", "role": "model", "args": {"policy": "counter"}},
+            {
+                "name": "agent/a",
+                "role": "agent",
+                "args": {"resources": "resources/never", "model": "model/policy"},
+                "start_timeout": 5,
+            },
+        ]
+    }
+    path = run_dir / "stack.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = gymrpc("up", "--run-dir", str(run_dir), str(path), timeout=120)
+    assert done.returncode == 1
+    assert "agent/a did not become SERVING" in done.stderr
+    assert "waiting for a name it depends on to register" in done.stderr
+    assert "resources/never" in done.stderr
+
+
+def test_a_dependency_start_timeout_covers_its_callers() -> None:
+    spec = parse_stack_spec(
+        {
+            "servers": [
+                {"name": "model/policy", "role": "model", "args": {"policy": "counter"}, "start_timeout": 900},
+                {"name": "agent/a", "role": "agent", "args": {"model": "model/policy"}},
+            ]
+        }
+    )
+    assert [s.start_timeout for s in spec.servers] == [900, 960]
