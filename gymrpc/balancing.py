@@ -179,8 +179,13 @@ class Balancer:
             return
         if replicas.down.get(address, 0.0) <= self._clock():
             endpoint = next(i for i, a in replicas.addresses.items() if a == address)
+            message = (
+                "replica unavailable; its sessions move to other replicas"
+                if len(replicas.addresses) > 1
+                else "server unavailable (restarting?); calls wait for it under the same name"
+            )
             log.warning(
-                "replica unavailable; its sessions move to other replicas",
+                message,
                 extra={"service": name, "endpoint_id": endpoint, "address": address, "replicas": len(replicas.ids)},
             )
         replicas.down[address] = self._clock() + self._down_seconds

@@ -14,19 +14,14 @@ import time
 from pathlib import Path
 
 from gymrpc import logs, rundir
+from gymrpc.launch.options import check_stack_args
 from gymrpc.launch.spec import TlsSpec, load_stack_spec
+from gymrpc.launch.status import format_table, read_state
 from gymrpc.tls import read_run_dir_tls
 
 
 def _run_dir(args: argparse.Namespace) -> Path:
     return Path(args.run_dir).absolute() if args.run_dir else rundir.default_run_dir()
-
-
-def _read_state(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / rundir.STATE_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 def _alive(pid: int) -> bool:
@@ -50,12 +45,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         spec = load_stack_spec(Path(args.config) if args.config else None)
         if args.tls and spec.tls is None:
             spec = dataclasses.replace(spec, tls=TlsSpec(generate=True))
+        check_stack_args(spec.servers)
     except ValueError as exc:
         print(f"gymrpc up: {exc}", file=sys.stderr)
         return 2
     if args.detach:
         return _up_detached(args, run_dir)
-    from gymrpc.launch.base import create_launcher
+    from gymrpc.launch import create_launcher
 
     logs.configure("launcher")
 
@@ -72,7 +68,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             starting.cancel()
         else:
             starting.result()
-            print(_format_table(run_dir, _read_state(run_dir)), file=sys.stderr, flush=True)
+            print(format_table(run_dir, read_state(run_dir)), file=sys.stderr, flush=True)
             await stopped
         await launcher.stop()
 
@@ -96,9 +92,9 @@ def _up_detached(args: argparse.Namespace, run_dir: Path) -> int:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        state = _read_state(run_dir)
+        state = read_state(run_dir)
         if state and state.get("launcher_pid") == proc.pid and state.get("state") == "serving":
-            print(_format_table(run_dir, state))
+            print(format_table(run_dir, state))
             return 0
         if proc.poll() is not None:
             tail = (run_dir / "launcher.log").read_text(errors="replace").splitlines()[-15:]
@@ -113,40 +109,9 @@ def _up_detached(args: argparse.Namespace, run_dir: Path) -> int:
     return 1
 
 
-def _format_table(
-    run_dir: Path, state: dict | None, health: dict[str, str] | None = None, notes: dict[str, str] | None = None
-) -> str:
-    if not state:
-        return f"no stack in {run_dir}"
-    rows = [("NAME", "STATE", "HEALTH" if health is not None else "", "PID", "ADDRESS", "RESTARTS", "LAST EXIT")]
-    for s in state["servers"]:
-        rows.append(
-            (
-                s["name"],
-                s["state"],
-                (health or {}).get(s["name"], "") if health is not None else "",
-                str(s["pid"] or "-"),
-                s["address"] or "-",
-                str(s["restarts"]),
-                s["last_exit"] or "-",
-            )
-        )
-    if notes:
-        rows = [
-            (*rows[0], "NOTES"),
-            *((*r, notes.get(s["name"], "")) for r, s in zip(rows[1:], state["servers"], strict=True)),
-        ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-        f"stack {state['state']} in {run_dir} (launcher pid {state['launcher_pid']}, registry {state['registry']})"
-    ]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(lines)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
-    state = _read_state(run_dir)
+    state = read_state(run_dir)
     if not state or not _alive(state["launcher_pid"]) or state["state"] == "stopped":
         print(f"no running stack in {run_dir}")
         return 3
@@ -163,7 +128,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**state, "health": health, "notes": notes}, indent=2))
     else:
-        print(_format_table(run_dir, state, health, notes))
+        print(format_table(run_dir, state, health, notes))
     return 0
 
 
@@ -192,7 +157,7 @@ async def _notes(run_dir: Path) -> dict[str, str]:
 
 def cmd_down(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
-    state = _read_state(run_dir)
+    state = read_state(run_dir)
     if not state or not _alive(state["launcher_pid"]):
         print(f"no running stack in {run_dir}")
         return 0
@@ -212,6 +177,24 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
     from gymrpc.rollouts import command
 
     return command.run(args, _run_dir(args))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from gymrpc.rollouts.report import read_results, report
+
+    try:
+        summary = report(args.results)
+        skipped = read_results(args.results)[1]
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"gymrpc report: {args.results}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**summary.to_json(), "unreadable_lines": skipped}))
+    else:
+        print("\n".join(summary.lines()))
+        if skipped:
+            print(f"skipped   {skipped} lines that are not results (a partial last line of a killed run?)")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -267,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     rollouts.add_argument("--run-dir", default=argparse.SUPPRESS)
     add_rollouts_arguments(rollouts)
     rollouts.set_defaults(func=cmd_rollouts)
+    report = sub.add_parser("report", help="the summary of a results file, rebuilt from its lines")
+    report.add_argument("results", type=Path, help="a results JSONL written by gymrpc rollouts")
+    report.add_argument("--json", action="store_true", help="the summary as one JSON object")
+    report.set_defaults(func=cmd_report)
     from gymrpc.demo import add_arguments as add_demo_arguments
 
     demo = sub.add_parser("demo", help="launch the default stack, collect rollouts, crash it, resume from checkpoints")
@@ -294,9 +281,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE, what a shell reports for a command whose reader went away."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `gymrpc status | head`: the reader left; that is not an error to report
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

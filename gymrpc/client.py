@@ -24,7 +24,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from gymrpc import auth, rundir
 from gymrpc.balancing import Balancer, affinity_key
 from gymrpc.channels import open_channel, service_channel_options
-from gymrpc.errors import DeadlineExceeded, GymrpcError, NotFound, Unavailable, from_rpc_error
+from gymrpc.errors import DeadlineExceeded, GymrpcError, NotFound, RegistryUnavailable, Unavailable, from_rpc_error
 from gymrpc.ids import check_endpoint_id, check_id, check_service_name
 from gymrpc.registry import RegistryClient
 from gymrpc.retry import RetryPolicy
@@ -323,8 +323,18 @@ class Client:
         delays = policy.delays()
         attempt, last = 0, ""
         stale = False  # the cached address may be wrong: resolve afresh before the next attempt
+        registry_down: RegistryUnavailable | None = None
+        registry_since = 0.0  # loop time of the first registry failure in a row
         while True:
             left = deadline - loop.time()
+            if registry_down is not None and (left <= 0 or loop.time() - registry_since >= policy.registry_grace):
+                silent = loop.time() - registry_since
+                raise RegistryUnavailable(
+                    f"{method} on {name!r}: the registry at {self.registry.target} has not answered for "
+                    f"{silent:.1f}s: the stack is gone or unreachable (not one server restarting); "
+                    f"last: {registry_down.message}",
+                    metadata={"name": name, "method": method, "registry": self.registry.target},
+                )
             if left <= 0:
                 raise DeadlineExceeded(
                     f"{method} on {name!r} gave up after {attempt} attempts in {policy.deadline:.1f}s: {last}",
@@ -341,11 +351,16 @@ class Client:
                 if exc.reason == "NOT_FOUND" and name not in self._known:
                     raise  # never registered: a wrong name, not a restart; waiting would not help
                 last, stale = str(exc), True
+            except RegistryUnavailable as exc:
+                if registry_down is None:
+                    registry_since = loop.time()
+                registry_down, last, stale = exc, f"registry unavailable: {exc}", True
             except Unavailable as exc:
                 last, stale = f"registry unavailable: {exc}", True
             except TimeoutError:
                 continue
             else:
+                registry_down = None
                 if address is None:
                     last = f"replica {endpoint_id} of {name!r} is not registered (restarting?)"
                     await asyncio.sleep(min(next(delays), max(deadline - loop.time(), 0)))

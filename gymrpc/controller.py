@@ -1,4 +1,4 @@
-"""`Controller`: drives coordinated checkpoints across every participant of a stack (SPEC §7).
+"""`Controller`: drives coordinated checkpoints across every participant of a stack (docs/design.md §7).
 
     async with gymrpc.Client() as client:
         controller = gymrpc.Controller(client)
@@ -16,7 +16,9 @@ checkpoint restores onto any number of replicas. Orders (`gymrpc.control.types`)
 stage (environment, model, agent, resources) and stop at the first stage not prepared by
 the deadline; commit and restore all at once; resume in reverse, past failures (a
 participant that cannot be reached aborts by itself when its lease runs out); retire and
-forget callers before callees. Restore is all or nothing: on any failure the half
+forget callers before callees. When the registry itself does not answer, an operation raises
+`gymrpc.errors.RegistryUnavailable` (the stack is gone), never a `CoordinationError` that
+would read as some participants failing. Restore is all or nothing: on any failure the half
 installed attempts are retired everywhere and everyone is resumed before the error is raised.
 
 Once every member committed, the controller writes the checkpoint's index last
@@ -42,8 +44,24 @@ from gymrpc.client import Client
 from gymrpc.control.index import endpoint_order, index_sources, read_index, sources_of, write_index
 from gymrpc.control.store import checkpoint_episodes
 from gymrpc.control.trainer_state import TrainerState, reference
-from gymrpc.control.types import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind
-from gymrpc.errors import DataLoss, GymrpcError, InvalidArgument, NotFound, Unimplemented
+from gymrpc.control.types import (
+    PREPARE_ORDER,
+    RECOVERY_DURABLE,
+    RECOVERY_LABEL,
+    RESUME_ORDER,
+    RETIRE_ORDER,
+    EpisodeKey,
+    Kind,
+)
+from gymrpc.errors import (
+    DataLoss,
+    FailedPrecondition,
+    GymrpcError,
+    InvalidArgument,
+    NotFound,
+    RegistryUnavailable,
+    Unimplemented,
+)
 from gymrpc.ids import check_attempt, check_id
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import common_pb2
@@ -148,6 +166,25 @@ class CheckpointResult:
         return sources_of((m.name, m.endpoint_id) for m in self.manifests.values())
 
 
+def _refuse_durable_agents(listed: Iterable[Any]) -> None:
+    """A checkpoint would silently leave out the episodes of an agent with durable resume: refuse the stack."""
+    durable = sorted({e.name for e in listed if e.labels.get(RECOVERY_LABEL) == RECOVERY_DURABLE})
+    if durable:
+        raise CoordinationError(
+            "discover",
+            {
+                name: FailedPrecondition(
+                    f"{name} runs durable resume (--resume-dir): it is not a ParticipantService participant, "
+                    "so a coordinated checkpoint would leave its episodes out; run that agent without "
+                    "resume_dir to checkpoint it, or recover it by durable resume alone (no controller)",
+                    reason="INVALID_REQUEST",
+                    metadata={"service": name, "recovery": RECOVERY_DURABLE},
+                )
+                for name in durable
+            },
+        )
+
+
 def new_checkpoint_id(prefix: str = "ckpt") -> str:
     return f"{prefix}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
 
@@ -209,6 +246,7 @@ class Controller:
             names = [_Endpoint(n, None, 1) for n in self._names]
             resolved = await self._fan("discover", names, lambda t: registry.resolve(t.name))
             listed = [e for t in names for e in resolved[t.label]]
+        _refuse_durable_agents(listed)
         ids: dict[str, set[str]] = {}
         for endpoint in listed:
             ids.setdefault(endpoint.name, set()).add(endpoint.endpoint_id)
@@ -243,6 +281,9 @@ class Controller:
             else:
                 replies[target.label] = result
         if failures:
+            gone = next((e for e in failures.values() if isinstance(e, RegistryUnavailable)), None)
+            if gone is not None:
+                raise gone  # the whole stack, not some participants: say so, not "failed on N"
             raise CoordinationError(operation, failures)
         return replies
 

@@ -308,15 +308,15 @@ def _env_line(env: str, s: Summary) -> str:
 
 
 async def _status_table(run_dir: Path) -> str:
-    from gymrpc.cli import _format_table, _read_state
     from gymrpc.launch.local import health_serving
+    from gymrpc.launch.status import format_table, read_state
 
-    state = _read_state(run_dir)
+    state = read_state(run_dir)
     assert state is not None
     servers = [s for s in state["servers"] if s["address"]]
     checks = await asyncio.gather(*(health_serving(s["address"]) for s in servers))
     health = {s["name"]: "SERVING" if ok else "DOWN" for s, ok in zip(servers, checks, strict=True)}
-    return "\n".join(_format_table(run_dir, state, health).splitlines()[1:])
+    return "\n".join(format_table(run_dir, state, health).splitlines()[1:])
 
 
 def say(text: str) -> None:

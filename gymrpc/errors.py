@@ -150,6 +150,17 @@ class Unavailable(GymrpcError):
     default_reason = "UNAVAILABLE"
 
 
+class RegistryUnavailable(Unavailable):
+    """The registry itself does not answer: the whole stack is likely gone, not one server restarting.
+
+    Raised by `RegistryClient` for each failed registry call (retried like any UNAVAILABLE), and
+    by `Client` once the registry has not answered for `RetryPolicy.registry_grace` seconds while
+    a call needed it (or at the call's deadline). Metadata: `registry` (its target).
+    """
+
+    default_reason = "REGISTRY_UNAVAILABLE"
+
+
 class DataLoss(GymrpcError):
     code = grpc.StatusCode.DATA_LOSS
     default_reason = "CORRUPT_SNAPSHOT"

@@ -1,4 +1,4 @@
-"""Validation of every identifier that crosses the wire or reaches a file name (SPEC §2).
+"""Validation of every identifier that crosses the wire or reaches a file name (docs/design.md §2).
 
 Nothing from a request is used as a path, a log key or a registry key before it
 passes one of these checks; failures are `InvalidArgument` with the field named.

@@ -15,7 +15,15 @@ import grpc
 
 from gymrpc import auth
 from gymrpc.channels import open_channel, stable_channel_options
-from gymrpc.errors import AlreadyExists, GymrpcError, NotFound, from_rpc_error
+from gymrpc.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    GymrpcError,
+    NotFound,
+    RegistryUnavailable,
+    Unavailable,
+    from_rpc_error,
+)
 from gymrpc.pbtime import duration
 from gymrpc.tls import TlsFiles
 from gymrpc.v1 import registry_service_pb2 as pb
@@ -86,7 +94,13 @@ class RegistryClient:
         try:
             return await method(request, metadata=md, timeout=timeout or self._timeout)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            err = from_rpc_error(exc)
+            # The channel waits for the registry (wait-for-ready), so a dead one shows as a timeout.
+            if isinstance(err, Unavailable | DeadlineExceeded):
+                raise RegistryUnavailable(
+                    f"the registry at {self.target} does not answer: {err.message}", metadata={"registry": self.target}
+                ) from exc
+            raise err from exc
 
 
 class NameLease:

@@ -24,6 +24,9 @@ class RetryPolicy:
     """Upper bound of any one sleep, in seconds."""
     multiplier: float = 2.0
     """Growth of the sleep bound per retry."""
+    registry_grace: float = 20.0
+    """Seconds the registry may stay silent while a call needs it before the call fails with
+    `RegistryUnavailable` (the stack is gone); a supervised registry is back well within it."""
 
     default: ClassVar[RetryPolicy]
 

@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gymrpc import auth, logs
 from gymrpc.channels import server_options
+from gymrpc.errors import NotFound, Unavailable
 from gymrpc.ids import check_endpoint_id, check_service_name
 from gymrpc.registry import NameLease, RegistryClient
 from gymrpc.rundir import write_text_atomic
@@ -89,6 +90,9 @@ class ServerConfig:
     """Serve Prometheus metrics over HTTP on this port of the bind host (0: a free one); None: off."""
     lease_file: Path | None = None
     """Keeps the registry lease id across restarts, so a restarted server replaces its own entry."""
+    depends_on: tuple[str, ...] = ()
+    """Stable names this server calls: it registers and reports SERVING only once each resolves,
+    so a client that sees it ready never gets NOT_FOUND for them (the agent's resources and model)."""
 
 
 class RunningServer:
@@ -247,11 +251,16 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
         metrics_url = metrics.serve(_metrics_host(address), config.metrics_port)
         labels["metrics"] = metrics_url  # clients and `gymrpc top` find the metrics next to the address
     await server.start()
-    for service in ("", *names):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     lease = registry = None
     if config.registry:
         registry = RegistryClient(config.registry, token=config.token, tls=config.tls)
+        if config.depends_on:
+            for service in ("", *names):
+                await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await _await_names(registry, config.name, config.depends_on)
+    for service in ("", *names):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if registry is not None:
         lease = NameLease(
             registry,
             config.name,
@@ -277,6 +286,23 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
 def _metrics_host(address: str) -> str:
     """Metrics listen on the host the gRPC server advertises; a unix-socket server uses loopback."""
     return "127.0.0.1" if address.startswith("unix:") else address.rpartition(":")[0].strip("[]")
+
+
+async def _await_names(registry: RegistryClient, name: str, depends_on: Sequence[str]) -> None:
+    """Until every name in `depends_on` resolves (the launcher's start timeout bounds the wait)."""
+    for wanted in depends_on:
+        delay, said = 0.02, False
+        while True:
+            try:
+                if await registry.resolve(wanted):
+                    break
+            except (NotFound, Unavailable):
+                pass
+            if not said:
+                log.info("waiting for a name it depends on to register", extra={"service": name, "depends_on": wanted})
+                said = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
 
 async def serve(

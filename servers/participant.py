@@ -13,6 +13,7 @@ import logging
 import grpc
 
 from gymrpc.control import ControlPlane, Participant
+from gymrpc.control.index import manifest_path
 from gymrpc.control.plane import DEFAULT_LEASE_GRACE, Placement
 from gymrpc.control.types import episode_keys
 from gymrpc.errors import InvalidArgument
@@ -69,7 +70,11 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         manifest = await self.plane.commit(
             request.checkpoint_id, _deadline(request), request.checkpoint_dir, scope, request.stop
         )
-        return pb.CommitResponse(phase=pb.PARTICIPANT_PHASE_COMMITTED, manifest=manifest)
+        return pb.CommitResponse(
+            phase=pb.PARTICIPANT_PHASE_COMMITTED,
+            manifest=manifest,
+            manifest_path=manifest_path(manifest.kind, manifest.name, manifest.endpoint_id),
+        )
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> pb.ResumeResponse:
         already = await self.plane.resume(request.checkpoint_id)

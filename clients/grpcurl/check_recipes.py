@@ -283,12 +283,11 @@ def run_recipe(recipe: Recipe, setup: str, run_dir: Path, env: dict[str, str]) -
 
 
 def selected(recipes: list[Recipe], args: argparse.Namespace) -> list[Recipe]:
-    """The recipes to run, grouped by tool (all grpcurl forms first: they share one checkpoint id)."""
+    """The recipes to run, in the README's order: it must run top to bottom as written."""
     return [
         recipe
-        for tool in ((args.tool,) if args.tool else TOOLS)
         for recipe in recipes
-        if recipe.tool == tool
+        if (args.tool is None or recipe.tool == args.tool)
         and recipe.fresh_stack == args.fresh_stack
         and (not args.only or recipe.name in args.only)
     ]

@@ -1,4 +1,4 @@
-"""The blackjack environment (SPEC §8): text turns, snapshots that carry the RNG state."""
+"""The blackjack environment (docs/design.md §8): text turns, snapshots that carry the RNG state."""
 
 from __future__ import annotations
 

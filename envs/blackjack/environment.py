@@ -89,7 +89,7 @@ class BlackjackSession(Session):
 
 
 class BlackjackEnvironment(Environment):
-    """Text-turn blackjack whose snapshots include the RNG state (SPEC §8)."""
+    """Text-turn blackjack whose snapshots include the RNG state (docs/design.md §8)."""
 
     name = "blackjack"
     checkpoint_mode = CheckpointMode.EXPORTED

@@ -1,4 +1,4 @@
-"""The counter environment (SPEC §8): `increment_counter`, `get_counter_value`, reward on the final count."""
+"""The counter environment (docs/design.md §8): `increment_counter`, `get_counter_value`, reward on the final count."""
 
 from __future__ import annotations
 

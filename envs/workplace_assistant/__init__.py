@@ -1,4 +1,4 @@
-"""The Workplace Assistant environment (SPEC §8): 27 tools over per-session pandas tables, Arrow snapshots."""
+"""The Workplace Assistant environment (docs/design.md §8): 27 tools over per-session pandas tables, Arrow snapshots."""
 
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ class WorkplaceSession(TableSession):
 
 
 class WorkplaceEnvironment(TableEnvironment):
-    """The Workplace Assistant environment (SPEC §8)."""
+    """The Workplace Assistant environment (docs/design.md §8)."""
 
     name = "workplace"
     checkpoint_mode = CheckpointMode.EXPORTED

@@ -16,10 +16,9 @@ from gymrpc.v1 import agent_service_pb2 as pb
 from gymrpc.v1 import agent_service_pb2_grpc as pb_grpc
 
 
-def main(argv: list[str] | None = None) -> None:
-    from gymrpc.agentkit.service import AgentKitServicer, load_entrypoint
-    from servers.agent.faults import CrashPlan
-    from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+def build_parser() -> argparse.ArgumentParser:
+    """The options of an agent-function server; `gymrpc up` checks stack args against them."""
+    from servers.bootstrap import add_common_arguments
 
     parser = argparse.ArgumentParser(prog="python -m servers.agent --entrypoint", description=__doc__)
     add_common_arguments(parser, default_name="agent/kit")
@@ -33,6 +32,15 @@ def main(argv: list[str] | None = None) -> None:
         default="fail",
         help="a retried run that asks something other than the record: fail (default) or go on live",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    from gymrpc.agentkit.service import AgentKitServicer, load_entrypoint
+    from servers.agent.faults import CrashPlan
+    from servers.bootstrap import ServiceBinding, config_from_arguments, run, serve
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     config = config_from_arguments(args)
     if not config.registry:

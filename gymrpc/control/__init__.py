@@ -1,4 +1,4 @@
-"""Coordinated checkpoints (SPEC §7): the control plane every participant shares.
+"""Coordinated checkpoints (docs/design.md §7): the control plane every participant shares.
 
 - `types`: episode keys, phases, kinds, orders, readiness reports.
 - `fencing`: the phase machine and checkpoint-id fencing (pure logic).

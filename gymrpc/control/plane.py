@@ -1,4 +1,4 @@
-"""`ControlPlane`: one participant's coordinated-checkpoint state machine (SPEC §7).
+"""`ControlPlane`: one participant's coordinated-checkpoint state machine (docs/design.md §7).
 
 Every server runs one, whatever its role; the role plugs in through `Participant`. The
 plane adds what must be the same everywhere:

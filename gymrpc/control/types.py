@@ -15,6 +15,10 @@ from gymrpc.ids import check_attempt, check_id
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import participant_service_pb2 as pb
 
+RECOVERY_LABEL = "recovery"
+"""Registry label a server sets when it recovers episodes without coordinated checkpoints."""
+RECOVERY_DURABLE = "durable"
+"""`recovery=durable`: an agent with per-episode durable resume, not a participant; controllers refuse its stack."""
 MAX_REPORTED_BLOCKERS = 100
 """Blockers listed in a report; `blocker_count` is always the full count."""
 

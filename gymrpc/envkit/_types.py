@@ -30,7 +30,7 @@ class SnapshotCorrupt(EnvironmentError):
 
 
 class CheckpointMode(enum.Enum):
-    """How the environment takes part in coordinated checkpoints (SPEC §7)."""
+    """How the environment takes part in coordinated checkpoints (docs/design.md §7)."""
 
     EXPORTED = "exported"
     STATELESS = "stateless"

@@ -9,10 +9,7 @@ the same servers on several machines with the same names and registry protocol.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
-
-from gymrpc.launch.spec import StackSpec
 
 
 @dataclass
@@ -29,6 +26,8 @@ class ServerState:
     """Which replica of the name this is (`name` is `service#id` when a name has several)."""
     node: str | None = None
     """Where the process runs (Ray: the node's IP; local: unset)."""
+    backoff_s: float | None = None
+    """The pause before the latest restart (a crash loop grows it); `gymrpc status` shows it while restarting."""
 
 
 class Launcher(Protocol):
@@ -45,16 +44,3 @@ class Launcher(Protocol):
 
     def server_states(self) -> list[ServerState]:
         """Current state of every server, the registry included."""
-
-
-def create_launcher(spec: StackSpec, run_dir: Path) -> Launcher:
-    """The launcher the spec asks for (`launcher:` in the config)."""
-    if spec.launcher == "local":
-        from gymrpc.launch.local import LocalLauncher
-
-        return LocalLauncher(spec, run_dir)
-    if spec.launcher == "ray":
-        from gymrpc.launch.ray import RayLauncher
-
-        return RayLauncher(spec, run_dir)
-    raise ValueError(f"launcher {spec.launcher!r} is not available (only 'local', 'ray')")

@@ -219,7 +219,7 @@ class ServerProcess:
             self.state.last_exit = how
             now = time.monotonic()
             self._restart_times = [t for t in self._restart_times if now - t < policy.window_seconds]
-            if len(self._restart_times) >= policy.max_restarts:
+            if policy.max_restarts is not None and len(self._restart_times) >= policy.max_restarts:
                 self.state.state = "failed"
                 self._on_change()
                 log.error(
@@ -235,8 +235,9 @@ class ServerProcess:
             self._restart_times.append(now)
             self.state.restarts += 1
             self.state.state = "restarting"
+            delay = min(policy.backoff_seconds * 2 ** (len(self._restart_times) - 1), policy.max_backoff_seconds)
+            self.state.backoff_s = round(delay, 3)
             self._on_change()
-            delay = min(policy.backoff_seconds * 2 ** (len(self._restart_times) - 1), 5.0)
             log.warning(
                 "server exited; restarting",
                 extra={"service": self.label, "exit": how, "restart": self.state.restarts, "delay_s": delay},

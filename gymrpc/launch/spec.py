@@ -27,11 +27,15 @@ ROLE_MODULES = {
 class RestartPolicy:
     """How the supervisor restarts servers that die."""
 
-    max_restarts: int = 5
-    """Restarts allowed within `window_seconds`; past that the server is left down (state `failed`)."""
+    max_restarts: int | None = None
+    """A hard limit: restarts allowed within `window_seconds`, past which the server is left down
+    (state `failed`). None (the default): never give up, back off instead (a crash loop)."""
     window_seconds: float = 60.0
+    """Restarts this recent count as one crash loop: each doubles the next pause."""
     backoff_seconds: float = 0.2
-    """Pause before a restart, doubled for each recent restart (at most 5 s)."""
+    """Pause before a restart, doubled for each restart within `window_seconds`, up to `max_backoff_seconds`."""
+    max_backoff_seconds: float = 30.0
+    """Longest pause between restarts of a server that keeps dying (`gymrpc status` shows it)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class ServerSpec:
     role: str
     """`resources`, `agent`, `model`, or a module path run with `python -m`."""
     args: Mapping[str, Any] = field(default_factory=dict)
-    """Role options, passed as `--key value` flags (`True` as a bare flag)."""
+    """Role options, passed as `--key value` flags; `true`/`false` for switches (`--x` / `--no-x`), lists repeat."""
     bind: str = "127.0.0.1:0"
     env: Mapping[str, str] = field(default_factory=dict)
     start_timeout: float = 60.0
@@ -71,14 +75,10 @@ class ServerSpec:
         return self.name if self.replicas == 1 else f"{self.name}#{endpoint_id}"
 
     def argv(self) -> list[str]:
-        out: list[str] = []
-        for key, value in self.args.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                out.append(flag)
-            elif value is not False and value is not None:
-                out += [flag, str(value)]
-        return out
+        """`args` as flags, checked against the role's own options (`gymrpc.launch.options`)."""
+        from gymrpc.launch.options import server_argv
+
+        return server_argv(self.name, self.module, self.args)
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,19 @@ def with_vllm_model(
         dataclasses.replace(s, args=args, start_timeout=max(s.start_timeout, start_timeout)) if s.name == name else s
         for s in spec.servers
     )
-    return dataclasses.replace(spec, servers=servers)
+    return dataclasses.replace(spec, servers=tuple(with_dependency_timeouts(list(servers))))
+
+
+def with_dependency_timeouts(servers: list[ServerSpec]) -> list[ServerSpec]:
+    """A server whose args name another server of the stack (an agent's `resources`, `model`) is
+    ready only once those names resolve, so its start timeout also covers theirs."""
+    timeouts = {s.name: s.start_timeout for s in servers}
+    out = []
+    for server in servers:
+        named = {v for v in server.args.values() if isinstance(v, str) and v in timeouts and v != server.name}
+        extra = max((timeouts[n] for n in named), default=0.0)
+        out.append(dataclasses.replace(server, start_timeout=server.start_timeout + extra) if extra else server)
+    return out
 
 
 def _fail(where: str, message: str) -> ValueError:
@@ -213,12 +225,17 @@ def parse_stack_spec(data: Mapping[str, Any], where: str = "<config>") -> StackS
         )
     if not servers:
         raise _fail(where, "'servers' must list at least one server")
+    servers = with_dependency_timeouts(servers)
     registry = data.get("registry") or {}
     restart = data.get("restart") or {}
     try:
         policy = RestartPolicy(**restart)
     except TypeError as exc:
         raise _fail(where, f"restart: {exc}") from None
+    if policy.max_restarts is not None and (
+        isinstance(policy.max_restarts, bool) or not isinstance(policy.max_restarts, int) or policy.max_restarts < 0
+    ):
+        raise _fail(where, f"restart: max_restarts must be an integer >= 0 or null, got {policy.max_restarts!r}")
     launcher = str(data.get("launcher", "local"))
     if launcher not in LAUNCHERS:
         raise _fail(where, f"launcher {launcher!r} is not available (only {', '.join(map(repr, LAUNCHERS))})")

@@ -1,4 +1,4 @@
-"""`gymrpc rollouts --checkpoint-dir`: the collector as the controller of coordinated checkpoints (SPEC §7).
+"""`gymrpc rollouts --checkpoint-dir`: the collector as the controller of coordinated checkpoints (docs/design.md §7).
 
 The collector knows which episodes are in flight, so it is the one controller that can
 name a commit's scope. A checkpoint is taken every `--checkpoint-every` seconds, on
@@ -126,6 +126,9 @@ class CheckpointingRun:
     stopped: bool = False
     """A `stop` checkpoint was committed: the stack refuses work; failures from here on are not results."""
 
+    restored_from: str | None = None
+    """The checkpoint `--resume` restored (None: none); every result then says how it relates to it."""
+
     def __post_init__(self) -> None:
         self.controller = Controller(self.client)
         self._lock = asyncio.Lock()
@@ -151,6 +154,15 @@ class CheckpointingRun:
         self.attempts = {k.rollout_id: k.attempt + 1 for k in pending}
         self.continued = {k.rollout_id for k in pending if k.rollout_id in restored}
         self.restarted = {k.rollout_id for k in pending} - self.continued
+        self.restored_from = saved.checkpoint_id
+
+    def outcome(self, rollout_id: str) -> str | None:
+        """`EpisodeResult.checkpoint` for an episode of this run."""
+        if self.restored_from is None:
+            return None
+        if rollout_id in self.continued:
+            return "continued"
+        return "restarted" if rollout_id in self.restarted else "not_in_checkpoint"
 
     # -- bookkeeping (collector callbacks) ---------------------------------------------------
 

@@ -61,6 +61,11 @@ class EpisodeResult:
     def newest_weight_version(self) -> str:
         return self.trajectory.newest_weight_version if self.trajectory is not None else ""
 
+    checkpoint: str | None = None
+    """After `--resume` from a checkpoint: `continued` (from its checkpointed boundary), `restarted`
+    (in the checkpoint, but only restartable), or `not_in_checkpoint` (run from the start: it had
+    not started, or started after the last checkpoint). None when no checkpoint was restored."""
+
     @property
     def episode_id(self) -> str:
         return self.task.episode_id(self.repeat)
@@ -77,6 +82,7 @@ class EpisodeResult:
         """The results-file line: summary fields first, then the whole trajectory."""
         out: dict[str, Any] = {
             "episode_id": self.episode_id,
+            **({"id": self.task.row_id} if self.task.row_id is not None else {}),
             "task_index": self.task.index,
             "task_id": self.task.task.task_id,
             "repeat": self.repeat,
@@ -95,6 +101,7 @@ class EpisodeResult:
                 "resume_count": t.resume_count,
                 "restart_count": t.restart_count,
                 "failovers": t.failovers,
+                "session_recoveries": t.session_recoveries,
                 "tokens": {"input": t.usage.input_tokens, "output": t.usage.output_tokens},
                 "timings": {
                     "latency_s": round(self.latency_s, 6),
@@ -115,6 +122,8 @@ class EpisodeResult:
             }
         else:
             out |= {"reward": None, "timings": {"latency_s": round(self.latency_s, 6)}}
+        if self.checkpoint is not None:
+            out["checkpoint"] = self.checkpoint
         if self.error is not None:
             out["error"] = error_json(self.error)
         if t is not None:

@@ -120,7 +120,7 @@ async def _main(args: argparse.Namespace, tasks: list[RolloutTask], skip: set[st
             try:
                 await control.open(args.resume, skip)
             except (GymrpcError, CoordinationError) as exc:  # e.g. the stack is not fresh: nothing was restored
-                return _fail(f"cannot restore the latest checkpoint of {args.checkpoint_dir}: {exc}", EXIT_NO_STACK)
+                return _fail(f"cannot take or restore checkpoints in {args.checkpoint_dir}: {exc}", EXIT_NO_STACK)
             except (OSError, ValueError, KeyError) as exc:
                 return _fail(f"{args.checkpoint_dir} holds no readable checkpoint: {exc!r}", EXIT_USAGE)
         progress = Progress(planned, label=args.agent) if not args.quiet else None
@@ -131,6 +131,7 @@ async def _main(args: argparse.Namespace, tasks: list[RolloutTask], skip: set[st
                 if control.stopped and not result.ok:
                     return  # refused by the parked stack: not an outcome, the checkpoint has it
                 control.finished(result.episode_id)
+                result.checkpoint = control.outcome(result.episode_id)
             writer.write(result.to_json())
             results.append(result)
             if progress is not None:

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import grpc
+from google.protobuf import json_format
+
+from gymrpc.errors import error_class
 from gymrpc.rollouts.collector import EpisodeResult, error_json
+from gymrpc.rollouts.tasks import RolloutTask
+from gymrpc.v1 import agent_service_pb2 as agent_pb
+from gymrpc.v1 import common_pb2
 
 
 class ResultWriter:
@@ -115,6 +122,19 @@ class Summary:
         rewards = [r.reward or 0.0 for r in self.ok]
         return sum(rewards) / len(rewards) if rewards else None
 
+    def outcomes(self) -> dict[str, int]:
+        """How the episodes got there, every one counted: each key is a count of episodes."""
+        done = [r.trajectory for r in self.results if r.trajectory is not None]
+        out = {
+            "resumed": sum(1 for t in done if t.resume_count),
+            "restarted": sum(1 for t in done if t.restart_count),
+            "session_recoveries": sum(t.session_recoveries for t in done),
+            "episodes_with_session_recoveries": sum(1 for t in done if t.session_recoveries),
+        }
+        for kind in CHECKPOINT_OUTCOMES:
+            out[f"checkpoint_{kind}"] = sum(1 for r in self.results if r.checkpoint == kind)
+        return out
+
     @property
     def failovers(self) -> int:
         """Calls that moved to another replica after theirs failed, over every finished episode."""
@@ -148,6 +168,7 @@ class Summary:
             "stale": len(self.stale),
             "stale_restarts": self.stale_restarts,
             "max_policy_lag_seen": max((r.policy_lag for r in self.results if r.policy_lag is not None), default=None),
+            "outcomes": self.outcomes(),
             "failures": [{"episode_id": r.episode_id, **error_json(r.error)} for r in self.failed if r.error],
         }
 
@@ -177,6 +198,17 @@ class Summary:
                 f"latency   p50 {percentile(latencies, 50):.3f} s  p95 {percentile(latencies, 95):.3f} s"
                 f"  max {max(latencies):.3f} s"
             )
+        o = self.outcomes()
+        line = (
+            f"outcomes  {o['resumed']} resumed, {o['restarted']} restarted, {o['session_recoveries']} session "
+            f"recoveries in {o['episodes_with_session_recoveries']} episodes"
+        )
+        if any(r.checkpoint is not None for r in self.results):
+            line += (
+                f"; from the checkpoint: {o['checkpoint_continued']} continued, {o['checkpoint_restarted']} "
+                f"restarted, {o['checkpoint_not_in_checkpoint']} run from the start (not in it)"
+            )
+        out.append(line)
         if failovers := self.failovers:
             moved = sum(1 for r in self.results if r.trajectory is not None and r.trajectory.failovers)
             out.append(f"failovers {failovers} calls of {moved} episodes moved to another replica")
@@ -195,6 +227,76 @@ class Summary:
             if len(failed) > max_failures:
                 out.append(f"  ... and {len(failed) - max_failures} more (see the results file)")
         return out
+
+
+CHECKPOINT_OUTCOMES = ("continued", "restarted", "not_in_checkpoint")
+
+
+def read_results(path: Path) -> tuple[list[EpisodeResult], int]:
+    """Results lines back as `EpisodeResult`s (for `gymrpc report`), and the count of lines skipped.
+
+    A crashed collector may leave a partial last line; it is skipped and counted, as is any line
+    that is not a result. A line that appears twice (a `--resume` that re-ran a failed episode)
+    counts once, its last occurrence.
+    """
+    by_id: dict[str, EpisodeResult] = {}
+    bad = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            result = result_from_line(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, json_format.ParseError):
+            bad += 1
+            continue
+        by_id[result.episode_id] = result
+    return list(by_id.values()), bad
+
+
+@dataclass(frozen=True)
+class _RecordedTask(RolloutTask):
+    """A task rebuilt from a results line: the episode id is the one recorded."""
+
+    recorded_id: str = ""
+
+    def episode_id(self, repeat: int) -> str:
+        return self.recorded_id
+
+
+def result_from_line(record: dict[str, Any]) -> EpisodeResult:
+    task = _RecordedTask(
+        int(record["task_index"]),
+        common_pb2.Task(task_id=str(record.get("task_id", ""))),
+        row_id=record.get("id"),
+        recorded_id=str(record["episode_id"]),
+    )
+    trajectory = None
+    if record.get("trajectory") is not None:
+        trajectory = json_format.ParseDict(record["trajectory"], agent_pb.Trajectory(), ignore_unknown_fields=True)
+    error = None
+    if record.get("error"):
+        e = record["error"]
+        error = error_class(grpc.StatusCode[e["code"]])(e["message"], reason=e.get("reason") or None)
+    started = float(record["started_at"])
+    return EpisodeResult(
+        task,
+        int(record.get("repeat", 0)),
+        str(record.get("agent", "")),
+        str(record.get("policy_version", "")),
+        started,
+        float(record.get("finished_at", started)) - started,
+        trajectory,
+        error,
+        record.get("checkpoint"),
+    )
+
+
+def report(path: Path) -> Summary:
+    """The summary of a results file, rebuilt from its lines (also when the collector was killed)."""
+    results, _ = read_results(path)
+    if not results:
+        return Summary([], 0.0, 0)
+    first = min(r.started_at for r in results)
+    last = max(r.started_at + r.latency_s for r in results)
+    return Summary(results, last - first, len(results))
 
 
 class Progress:

@@ -38,9 +38,16 @@ class RolloutTask:
     """First part of the episode ids; a valid rollout id itself."""
     line: int | None = None
     """Line number in the task file, for error messages."""
+    row_id: str | None = None
+    """The row's own `id`, when it has one (kept in the results as `id`)."""
 
     def episode_id(self, repeat: int) -> str:
         return f"{self.prefix}-t{self.index}-r{repeat}"
+
+
+def _row_id(row: Mapping[str, Any]) -> str | None:
+    value = row.get("id")
+    return None if value is None or isinstance(value, dict | list) else str(value)
 
 
 def id_prefix(name: str) -> str:
@@ -67,7 +74,7 @@ def tasks_from_rows(rows: Iterable[Mapping[str, Any]], prefix: str = "rollout") 
     out = []
     for index, row in enumerate(rows):
         try:
-            out.append(RolloutTask(index, task_from_row(row, str(index)), prefix))
+            out.append(RolloutTask(index, task_from_row(row, str(index)), prefix, row_id=_row_id(row)))
         except (GymrpcError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise TaskFileError(f"task row {index}: {_describe(exc)}") from None
     return out
@@ -104,7 +111,7 @@ def load_tasks(path: Path, *, prefix: str | None = None, limit: int | None = Non
             task = task_from_row(row, str(index))
         except (GymrpcError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise TaskFileError(f"{where}: not a valid task row: {_describe(exc)}") from None
-        tasks.append(RolloutTask(index, task, prefix, number))
+        tasks.append(RolloutTask(index, task, prefix, number, _row_id(row)))
     if not tasks:
         raise TaskFileError(f"task file {path} has no task rows")
     return tasks

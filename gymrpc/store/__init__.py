@@ -1,4 +1,4 @@
-"""Durable episode checkpoints for per-episode resume (SPEC §6).
+"""Durable episode checkpoints for per-episode resume (docs/design.md §6).
 
 `EpisodeStore` is the narrow interface the agent uses (lease, load, save with a revision
 guard, archive, TTL expiry). `LogEpisodeStore` (the agent's default) appends every save to

@@ -297,6 +297,7 @@ class Trajectory(_message.Message):
     FAILOVERS_FIELD_NUMBER: _builtins.int
     OLDEST_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     NEWEST_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    SESSION_RECOVERIES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """Task id from the request."""
     reward: _builtins.float
@@ -327,6 +328,11 @@ class Trajectory(_message.Message):
     """
     newest_weight_version: _builtins.str
     """The last weight version that produced any of its completion tokens."""
+    session_recoveries: _builtins.int
+    """Times the agent lost the episode's resources session (its resources
+    server restarted) and went back to the episode's last durable checkpoint
+    to continue (durable resume only), in the processes that ran it since.
+    """
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:
         """Episode identity."""
@@ -372,10 +378,11 @@ class Trajectory(_message.Message):
         failovers: _builtins.int = ...,
         oldest_weight_version: _builtins.str = ...,
         newest_weight_version: _builtins.str = ...,
+        session_recoveries: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "failovers", b"failovers", "mask_sample", b"mask_sample", "messages", b"messages", "model_calls", b"model_calls", "newest_weight_version", b"newest_weight_version", "oldest_weight_version", b"oldest_weight_version", "policy_version", b"policy_version", "restart_count", b"restart_count", "resume_count", b"resume_count", "reward", b"reward", "steps", b"steps", "stop_reason", b"stop_reason", "task_id", b"task_id", "timing", b"timing", "tool_calls", b"tool_calls", "usage", b"usage", "verify_details_json", b"verify_details_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "failovers", b"failovers", "mask_sample", b"mask_sample", "messages", b"messages", "model_calls", b"model_calls", "newest_weight_version", b"newest_weight_version", "oldest_weight_version", b"oldest_weight_version", "policy_version", b"policy_version", "restart_count", b"restart_count", "resume_count", b"resume_count", "reward", b"reward", "session_recoveries", b"session_recoveries", "steps", b"steps", "stop_reason", b"stop_reason", "task_id", b"task_id", "timing", b"timing", "tool_calls", b"tool_calls", "usage", b"usage", "verify_details_json", b"verify_details_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

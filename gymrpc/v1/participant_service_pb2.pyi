@@ -451,8 +451,14 @@ class CommitResponse(_message.Message):
 
     PHASE_FIELD_NUMBER: _builtins.int
     MANIFEST_FIELD_NUMBER: _builtins.int
+    MANIFEST_PATH_FIELD_NUMBER: _builtins.int
     phase: Global___ParticipantPhase.ValueType
     """`COMMITTED`."""
+    manifest_path: _builtins.str
+    """Where that manifest is, relative to the checkpoint folder:
+    `<kind>/<instance>[#<endpoint_id>]/manifest.json`, the path a controller
+    puts in the checkpoint's index (`CheckpointIndexMember.manifest_path`).
+    """
     @_builtins.property
     def manifest(self) -> Global___CheckpointManifest:
         """The manifest written."""
@@ -462,10 +468,11 @@ class CommitResponse(_message.Message):
         *,
         phase: Global___ParticipantPhase.ValueType = ...,
         manifest: Global___CheckpointManifest | None = ...,
+        manifest_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "phase", b"phase"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "manifest_path", b"manifest_path", "phase", b"phase"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

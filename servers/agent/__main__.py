@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import resource
 import sys
@@ -23,6 +24,7 @@ from typing import Any
 
 from gymrpc import auth
 from gymrpc.client import Client
+from gymrpc.control.types import RECOVERY_DURABLE, RECOVERY_LABEL
 from gymrpc.errors import GymrpcError
 from gymrpc.ids import check_service_name
 from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir
@@ -42,11 +44,8 @@ SWEEP_INTERVAL = 600.0
 """Seconds between deletions of expired completed episodes."""
 
 
-def main() -> None:
-    if any(a == "--entrypoint" or a.startswith("--entrypoint=") for a in sys.argv[1:]):
-        from gymrpc.agentkit.serve import main as serve_function
-
-        return serve_function()  # an agent function (gymrpc.agentkit) instead of the built-in loop
+def build_parser() -> argparse.ArgumentParser:
+    """The server's options; `gymrpc up` checks stack args against them before starting anything."""
     parser = argparse.ArgumentParser(prog="python -m servers.agent", description=__doc__)
     add_common_arguments(parser, default_name="agent/simple")
     defaults = AgentConfig()
@@ -82,7 +81,7 @@ def main() -> None:
         default=defaults.call_timeout,
         help="seconds one resources or model call may take, retries included (default %(default)s)",
     )
-    resume = parser.add_argument_group("durable resume (SPEC §6)")
+    resume = parser.add_argument_group("durable resume (docs/design.md §6)")
     resume.add_argument("--resume-dir", type=Path, help="checkpoint every episode under this folder; off when unset")
     resume.add_argument(
         "--completed-ttl",
@@ -110,8 +109,20 @@ def main() -> None:
         help="with --resume-store files: fsync per file (default) or syncfs per batch",
     )
     add_participant_arguments(parser)
+    return parser
+
+
+def main() -> None:
+    if any(a == "--entrypoint" or a.startswith("--entrypoint=") for a in sys.argv[1:]):
+        from gymrpc.agentkit.serve import main as serve_function
+
+        return serve_function()  # an agent function (gymrpc.agentkit) instead of the built-in loop
+    parser = build_parser()
     args = parser.parse_args()
-    server_config = config_from_arguments(args)
+    server_config = dataclasses.replace(config_from_arguments(args), depends_on=(args.resources, args.model))
+    if args.resume_dir is not None:
+        # Controllers read it in the registry: this agent is no participant, so they refuse the stack.
+        server_config.labels[RECOVERY_LABEL] = RECOVERY_DURABLE
     if not server_config.registry:
         parser.error("the agent finds resources and model through a registry: pass --registry or set $GYMRPC_REGISTRY")
     try:

@@ -1,4 +1,4 @@
-"""Per-episode durable resume (SPEC §6): save at every boundary, continue a retried `Run` from the last one.
+"""Per-episode durable resume (docs/design.md §6): save at every boundary, continue a retried `Run` from the last one.
 
 One `Run` of an episode holds its store lease from start to end, so two runs never
 interleave. It loads the record and decides, in this order:
@@ -213,6 +213,7 @@ class DurableEpisodes:
                     extra={"episode": state.label, "phase": Phase(record.phase).name, "error": err.message},
                 )
                 await self._back_to_last_save(record, state)
+                state.session_recoveries += 1
                 continue
             if self.crash is not None:
                 self._crash_point(phase, state)

@@ -275,7 +275,8 @@ def _check_resumable(request: agent_pb.RunRequest, resume: ResumeConfig) -> None
     if resume.require_policy_version and not request.policy_version:
         raise InvalidArgument(
             "durable resume is on: policy_version is required (a checkpoint made with other weights is archived); "
-            "start the agent with --no-require-policy-version to allow runs without one",
+            "name it (`gymrpc rollouts --policy-version V`, or RunRequest.policy_version), or start the agent "
+            "with --no-require-policy-version (stack args `require_policy_version: false`) to allow runs without one",
             metadata={"field": "policy_version"},
         )
 

@@ -1,4 +1,4 @@
-"""The state of one episode, kept explicit so it can be checkpointed at every boundary (SPEC §6).
+"""The state of one episode, kept explicit so it can be checkpointed at every boundary (docs/design.md §6).
 
 Everything the loop needs to continue an episode lives in `EpisodeState`: the phase, the
 step counter, the conversation so far, the pending tool calls with the index of the next
@@ -92,6 +92,8 @@ class EpisodeState:
     failovers: int = 0
     """Calls of the episode that moved to another replica after one failed, across every process
     that ran it (checkpointed): this process adds what its client counts (`EpisodeLoop.failovers`)."""
+    session_recoveries: int = 0
+    """Times this process went back to the last durable save after losing the resources session."""
     failovers_seen: int | None = None
     """This process's client count for the episode when last added to `failovers`; None until this
     process first looks (not checkpointed: counts of another process mean nothing here)."""
@@ -162,4 +164,5 @@ class EpisodeState:
             failovers=self.failovers,
             oldest_weight_version=oldest,
             newest_weight_version=newest,
+            session_recoveries=self.session_recoveries,
         )

@@ -95,7 +95,8 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's options; `gymrpc up` checks stack args against them (and `check_arguments`)."""
     parser = argparse.ArgumentParser(
         prog="python -m servers.model",
         description=__doc__,
@@ -189,13 +190,23 @@ def main() -> None:
     )
     add_vllm_arguments(parser)
     add_openai_arguments(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse alone cannot say: the options each backend needs."""
     if args.backend == "openai" and not args.upstream_url:
         parser.error("--backend openai needs --upstream-url")
     if args.backend == "scripted" and not (args.script or args.recorded or args.policy or args.fallback):
         parser.error("--backend scripted needs --script, --recorded, --policy or --fallback")
     if args.backend == "vllm" and not args.model_path:
         parser.error("--backend vllm needs --model-path")
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    check_arguments(parser, args)
     config = config_from_arguments(args)
     tokenizer_file = args.tokenizer or (model_tokenizer_file(args.model_path) if args.backend == "vllm" else None)
     tokenizer = ChatTokenizer.from_file(tokenizer_file) if tokenizer_file else default_tokenizer()

@@ -1,4 +1,4 @@
-"""The model participant: held responses, generation cuts, and the capture ledger (SPEC §7).
+"""The model participant: held responses, generation cuts, and the capture ledger (docs/design.md §7).
 
 Prepare closes admission: new calls wait for resume; every unary generation still running
 is cut (`backend.abort`, keeping the prefix tokens) and parks; a generation that finishes

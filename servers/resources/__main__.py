@@ -9,14 +9,17 @@ from gymrpc.v1 import resources_service_pb2_grpc as pb_grpc
 from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
 from servers.participant import add_participant_arguments, start_plane, wants_participant
 from servers.resources.participant import VERIFY_MODES, ResourcesParticipant, gate_servicer
-from servers.resources.plugins import load_environment
+from servers.resources.plugins import BUILTIN, load_environment
 from servers.resources.service import ResourcesServicer
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's options; `gymrpc up` checks stack args against them before starting anything."""
     parser = argparse.ArgumentParser(prog="python -m servers.resources", description=__doc__)
     add_common_arguments(parser, default_name="resources/counter")
-    parser.add_argument("--environment", default="counter", help="counter, blackjack, or module:Class")
+    parser.add_argument(
+        "--environment", default="counter", help=f"{', '.join(sorted(BUILTIN))}, or module:Class (default counter)"
+    )
     parser.add_argument("--workers", type=int, default=8, help="threads running environment code")
     add_participant_arguments(parser)
     parser.add_argument(
@@ -24,7 +27,11 @@ def main() -> None:
         choices=sorted(VERIFY_MODES),
         help="Verify during a checkpoint: wait, or replay after a crash (default: the environment's, else wait)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     config = config_from_arguments(args)
     environment = load_environment(args.environment)()
 

@@ -1,4 +1,4 @@
-"""The resources participant: many sessions exported, restored and retired at once (SPEC §7).
+"""The resources participant: many sessions exported, restored and retired at once (docs/design.md §7).
 
 Modes, declared by the environment (`Environment.checkpoint_mode`):
 - `exported`: sessions are snapshotted with `Session.export` and restored with

@@ -1,4 +1,4 @@
-"""Bad control input gets a clear gRPC error with an `ErrorInfo` reason, and changes nothing (SPEC §5, §7).
+"""Bad control input gets a clear gRPC error with an `ErrorInfo` reason, and changes nothing (docs/design.md §5, §7).
 
 Over real gRPC to in-process participants (`tests/control/deployment.py`): unknown and conflicting
 checkpoint ids, ids that break the pattern or the length or try path traversal, checkpoint folders
@@ -366,7 +366,22 @@ def test_ids_phases_and_fencing_are_refused_and_change_nothing(tmp_path: Path) -
             await each_unchanged(_idle_cases)
             assert (await deployment.controller.prepare("c1", timeout=10)).prepared
             await each_unchanged(_prepared_cases)
-            await deployment.controller.commit("c1", root, [E0])
+            manifests = await deployment.controller.commit("c1", root, [E0])
+            # The same commit again (a retry) answers with the manifest and where it lies in the folder.
+            again = await raw.stub("resources/r").Commit(
+                pb.CommitRequest(
+                    checkpoint_id="c1",
+                    deadline=soon(),
+                    checkpoint_dir=root,
+                    episode_ids=[E0.to_pb()],
+                    explicit_scope=True,
+                ),
+                timeout=10,
+                metadata=(("authorization", f"Bearer {TOKEN}"),),
+            )
+            assert again.manifest == manifests["resources/r"]
+            assert again.manifest_path == "resources/r/manifest.json"
+            assert (Path(root) / again.manifest_path).is_file()
             await deployment.controller.resume("c1")
             await each_unchanged(_resumed_cases)
             # A second commit into the same folder under another id conflicts with the manifest there.

@@ -123,3 +123,81 @@ def test_missing_or_broken_config_files(run_dir: Path) -> None:
     with pytest.raises(ValueError, match="not valid YAML"):
         load_stack_spec(broken)
     assert load_stack_spec(None).servers  # the embedded default parses
+
+
+def test_by_default_a_crash_loop_backs_off_and_keeps_trying(start_stack) -> None:  # type: ignore[no-untyped-def]
+    policy = {"backoff_seconds": 0.02, "max_backoff_seconds": 0.16, "window_seconds": 600}
+    stack = start_stack({**COUNTER, "restart": policy})
+    for expected in range(1, 8):  # past the old default budget (5 in 60 s): never `failed`
+        stack.kill("resources/counter")
+        stack.wait_for("resources/counter", lambda s, n=expected: s["state"] == "serving" and s["restarts"] == n)
+    server = stack.server("resources/counter")
+    assert server["backoff_s"] == 0.16  # doubled per restart in the window, up to the cap
+
+
+def test_status_shows_the_backoff_of_a_restarting_server(tmp_path: Path) -> None:
+    from gymrpc.launch.status import format_table
+
+    state = {
+        "state": "serving",
+        "launcher_pid": 1,
+        "registry": "unix:/x",
+        "servers": [
+            {
+                "name": "a/b",
+                "state": "restarting",
+                "pid": None,
+                "address": None,
+                "restarts": 9,
+                "last_exit": "code 1",
+                "backoff_s": 12.8,
+            },
+            {
+                "name": "a/c",
+                "state": "serving",
+                "pid": 2,
+                "address": "127.0.0.1:1",
+                "restarts": 1,
+                "last_exit": None,
+                "backoff_s": 0.2,
+            },
+        ],
+    }
+    table = format_table(tmp_path, state)
+    assert "restarting (backoff 12.8s)" in table
+    assert "serving (backoff" not in table
+
+
+def test_an_agent_is_ready_only_once_the_names_it_depends_on_resolve(run_dir: Path) -> None:
+    # Its resources name never registers: the agent never registers or reports SERVING, so
+    # `gymrpc up` fails at the start timeout naming the wait, instead of a stack that looks ready.
+    config = {
+        "servers": [
+            {"name": "model/policy", "role": "model", "args": {"policy": "counter"}},
+            {
+                "name": "agent/a",
+                "role": "agent",
+                "args": {"resources": "resources/never", "model": "model/policy"},
+                "start_timeout": 5,
+            },
+        ]
+    }
+    path = run_dir / "stack.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = gymrpc("up", "--run-dir", str(run_dir), str(path), timeout=120)
+    assert done.returncode == 1
+    assert "agent/a did not become SERVING" in done.stderr
+    assert "waiting for a name it depends on to register" in done.stderr
+    assert "resources/never" in done.stderr
+
+
+def test_a_dependency_start_timeout_covers_its_callers() -> None:
+    spec = parse_stack_spec(
+        {
+            "servers": [
+                {"name": "model/policy", "role": "model", "args": {"policy": "counter"}, "start_timeout": 900},
+                {"name": "agent/a", "role": "agent", "args": {"model": "model/policy"}},
+            ]
+        }
+    )
+    assert [s.start_timeout for s in spec.servers] == [900, 960]

@@ -167,3 +167,18 @@ def test_the_affinity_table_is_bounded() -> None:
 )
 def test_affinity_key_is_the_session_else_the_episode(request_: object, key: str | None) -> None:
     assert affinity_key(request_) == key  # type: ignore[arg-type]
+
+
+def test_only_a_name_with_replicas_says_its_sessions_move(caplog: pytest.LogCaptureFixture) -> None:
+    balancer = Balancer()
+    balancer.update(NAME, replicas(1))
+    with caplog.at_level("WARNING", logger="gymrpc.balancing"):
+        balancer.failed(NAME, "10.0.0.0:1")
+    assert [r.getMessage() for r in caplog.records] == [
+        "server unavailable (restarting?); calls wait for it under the same name"
+    ]
+    caplog.clear()
+    balancer.update("resources/two", replicas(2))
+    with caplog.at_level("WARNING", logger="gymrpc.balancing"):
+        balancer.failed("resources/two", "10.0.0.1:1")
+    assert [r.getMessage() for r in caplog.records] == ["replica unavailable; its sessions move to other replicas"]

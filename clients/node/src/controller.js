@@ -1,4 +1,4 @@
-// A coordinated-checkpoint controller (SPEC §7) over `gymrpc.v1.ParticipantService`.
+// A coordinated-checkpoint controller (docs/design.md §7) over `gymrpc.v1.ParticipantService`.
 //
 // Every server of a stack is a participant, and every replica of a name a participant of its
 // own: the controller finds them through the registry (every endpoint it lists) and calls each
@@ -18,7 +18,7 @@ import { Code } from "@connectrpc/connect";
 import { EpisodeIdSchema } from "../gen/gymrpc/v1/common_pb.js";
 import { ParticipantKind, ParticipantPhase } from "../gen/gymrpc/v1/participant_service_pb.js";
 import { compareIds, indexSources, readIndex, writeIndex } from "./checkpoints.js";
-import { toGymrpcError } from "./errors.js";
+import { GymrpcError, toGymrpcError } from "./errors.js";
 
 export const PREPARE_ORDER = [
   ParticipantKind.ENVIRONMENT,
@@ -300,10 +300,33 @@ export class Controller {
   }
 }
 
+/**
+ * An agent with durable resume (registry label `recovery=durable`) is no participant: a
+ * checkpoint would silently leave its episodes out, so the stack is refused (docs/design.md §6).
+ */
+function refuseDurableAgents(listed) {
+  const durable = [...new Set(listed.filter((e) => e.labels?.recovery === "durable").map((e) => e.name))].sort();
+  if (!durable.length) return;
+  const failures = new Map(
+    durable.map((name) => [
+      name,
+      new GymrpcError(
+        `${name} runs durable resume (--resume-dir): it is not a ParticipantService participant, so a ` +
+          "coordinated checkpoint would leave its episodes out; run that agent without resume_dir to checkpoint it, " +
+          "or recover it by durable resume alone (no controller)",
+        { code: Code.FailedPrecondition, reason: "INVALID_REQUEST", metadata: { service: name, recovery: "durable" } },
+      ),
+    ]),
+  );
+  throw new CoordinationError("discover", failures);
+}
+
 /** Every registered endpoint under `prefix` that is a participant: `{name, kind, endpointId, replicas}`. */
 async function discoverMembers(client, prefix) {
   const ids = new Map();
-  for (const e of await client.endpoints(prefix)) {
+  const listed = await client.endpoints(prefix);
+  refuseDurableAgents(listed);
+  for (const e of listed) {
     ids.set(e.name, (ids.get(e.name) ?? new Set()).add(e.endpointId || "0"));
   }
   const targets = [...ids].flatMap(([name, found]) =>

@@ -1,4 +1,4 @@
-// The coordinated-checkpoint scenario, in two phases against two stacks (SPEC §7):
+// The coordinated-checkpoint scenario, in two phases against two stacks (docs/design.md §7):
 //   checkpoint: an episode runs to a boundary, its next model call is in flight, and the
 //               controller checkpoints the stack (the model cuts the call); then a SIGKILL of
 //               the whole stack;

