@@ -38,11 +38,13 @@ from gymrpc.v1 import (
     participant_service_pb2_grpc,
     resources_service_pb2,
     resources_service_pb2_grpc,
+    weights_service_pb2,
+    weights_service_pb2_grpc,
 )
 
 log = logging.getLogger(__name__)
 StubT = TypeVar("StubT")
-CONTROL_SERVICES = frozenset({"gymrpc.v1.ParticipantService"})
+CONTROL_SERVICES = frozenset({"gymrpc.v1.ParticipantService", "gymrpc.v1.WeightsService"})
 """Services whose every method is a control call; only these get the bearer token."""
 RUN_TIMEOUT = 4 * 3600.0
 """Default overall deadline of `Client.run`, retries included: episodes are long (the agent's own
@@ -166,6 +168,18 @@ class Client:
             name,
             model_service_pb2_grpc.ModelServiceStub,
             model_service_pb2.DESCRIPTOR.services_by_name["ModelService"],
+        )
+
+    def weights(self, name: str = "model/policy") -> weights_service_pb2_grpc.WeightsServiceStub:
+        """Weight updates of the model server `name` (control calls: they carry the token).
+
+        `UploadWeights` streams a request iterator and is not retried here; `gymrpc.weights`
+        wraps both ways of updating, with retries.
+        """
+        return self.stub(
+            name,
+            weights_service_pb2_grpc.WeightsServiceStub,
+            weights_service_pb2.DESCRIPTOR.services_by_name["WeightsService"],
         )
 
     def participant(

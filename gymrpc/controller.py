@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -39,6 +40,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from gymrpc.client import Client
 from gymrpc.control.index import endpoint_order, index_sources, read_index, sources_of, write_index
+from gymrpc.control.trainer_state import TrainerState, reference
 from gymrpc.control.types import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind
 from gymrpc.errors import GymrpcError, Unimplemented
 from gymrpc.pbtime import timestamp
@@ -270,11 +272,17 @@ class Controller:
         *,
         timeout: float = 60.0,
         stop: bool = False,
+        trainer_state: TrainerState | str | os.PathLike[str] | None = None,
     ) -> dict[str, pb.CheckpointManifest]:
         """All at once. `episode_ids` names every episode continued (restored ones by their new attempt);
         `None` commits every parked episode, an empty list none. Once every member committed, the
-        checkpoint's index is written into `checkpoint_dir` (`write_index`), last."""
-        return (await self._commit(checkpoint_id, checkpoint_dir, episode_ids, timeout=timeout, stop=stop))[0]
+        checkpoint's index is written into `checkpoint_dir` (`write_index`), last, with
+        `trainer_state` registered in it (see `checkpoint`)."""
+        return (
+            await self._commit(
+                checkpoint_id, checkpoint_dir, episode_ids, timeout=timeout, stop=stop, trainer_state=trainer_state
+            )
+        )[0]
 
     async def _commit(
         self,
@@ -284,8 +292,10 @@ class Controller:
         *,
         timeout: float,
         stop: bool,
+        trainer_state: TrainerState | str | os.PathLike[str] | None = None,
     ) -> tuple[dict[str, pb.CheckpointManifest], pb.CheckpointIndex]:
         deadline = time.time() + timeout
+        trainer_ref = None if trainer_state is None else await asyncio.to_thread(reference, trainer_state)
         request = pb.CommitRequest(
             checkpoint_id=checkpoint_id,
             deadline=timestamp(deadline),
@@ -299,10 +309,35 @@ class Controller:
             "commit", members, lambda m: self._stub(m).Commit(request, timeout=self._left(deadline))
         )
         manifests = {label: r.manifest for label, r in replies.items()}
+        versions = await self._weight_versions(members, deadline)
         index = await asyncio.to_thread(
-            write_index, Path(request.checkpoint_dir), checkpoint_id, [manifests[m.label] for m in members]
+            functools.partial(
+                write_index,
+                Path(request.checkpoint_dir),
+                checkpoint_id,
+                [manifests[m.label] for m in members],
+                trainer_state=trainer_ref,
+                weight_versions=versions,
+            )
         )
         return manifests, index
+
+    async def _weight_versions(self, members: Sequence[Member], deadline: float) -> dict[str, str]:
+        """Model server name -> the weight version it has loaded (its `GetStatus` details say)."""
+        models = [m for m in members if m.kind is Kind.MODEL]
+        if not models:
+            return {}
+        replies = await self._fan(
+            "status",
+            models,
+            lambda m: self._stub(m).GetStatus(pb.GetStatusRequest(), timeout=self._left(deadline)),
+        )
+        by_label = {m.label: m.name for m in models}
+        return {
+            by_label[label]: r.details["weight_version"]
+            for label, r in replies.items()
+            if "weight_version" in r.details
+        }
 
     async def resume(self, checkpoint_id: str, *, timeout: float = 30.0) -> dict[str, pb.ResumeResponse]:
         """Reverse order, past failures; raises `CoordinationError` at the end if any failed."""
@@ -330,6 +365,7 @@ class Controller:
         *,
         timeout: float = 120.0,
         sources: Mapping[str, Sequence[str]] | None = None,
+        allow_weight_version_mismatch: bool = False,
     ) -> dict[str, pb.RestoreResponse]:
         """All at once, all or nothing; the episodes come back as attempt + 1 (then `resume`).
 
@@ -342,6 +378,8 @@ class Controller:
         hatch: the caller vouches for them and the index is not read (a controller that cannot see
         the folder, or a checkpoint committed by hand). Afterwards the client forgets where it had
         placed sessions of these names (`Client.refresh`): they are where `place` says.
+        A model server with other weights loaded than it had at the commit refuses
+        (WEIGHT_VERSION_MISMATCH, naming both) unless `allow_weight_version_mismatch`.
         """
         episodes = list(episode_ids)
         deadline = time.time() + timeout
@@ -361,6 +399,7 @@ class Controller:
                 deadline=timestamp(deadline),
                 checkpoint_dir=folder,
                 episode_ids=_ids(episodes),
+                allow_weight_version_mismatch=allow_weight_version_mismatch,
             )
             if member.endpoint_id is not None and sources.get(member.name):
                 out.source_endpoint_ids.extend(sources[member.name])
@@ -451,11 +490,18 @@ class Controller:
         checkpoint_id: str | None = None,
         timeout: float = 30.0,
         stop: bool = False,
+        trainer_state: TrainerState | str | os.PathLike[str] | None = None,
     ) -> CheckpointResult:
         """Prepare, commit into `<root>/<checkpoint_id>`, then resume (unless `stop`).
 
         Not prepared by the deadline: resume (abort) and return with `committed` False and the
         blockers in `prepare`. Any failure: resume (abort) and raise.
+
+        `trainer_state`: the trainer's own state for this checkpoint (a folder or a file it wrote
+        first, or a `TrainerState` with a label or a URI). It is registered in the index with its
+        size and sha256, beside the weight version each model server had loaded
+        (`index.weight_versions`), so trainer and stack restore together:
+        `read_trainer_state(read_index(folder))` finds it again.
         """
         checkpoint_id = checkpoint_id or new_checkpoint_id()
         folder = Path(_absolute(root)) / checkpoint_id
@@ -469,7 +515,7 @@ class Controller:
                     scope = result.continued = result.prepare.continued(wanted)
                     result.restarted = [e for e in wanted if e not in set(scope)]
                 result.manifests, result.index = await self._commit(
-                    checkpoint_id, folder, scope, timeout=timeout, stop=stop
+                    checkpoint_id, folder, scope, timeout=timeout, stop=stop, trainer_state=trainer_state
                 )
         except BaseException:
             await asyncio.shield(self._abort(checkpoint_id))

@@ -87,6 +87,7 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
             request.checkpoint_dir,
             episode_keys(request.episode_ids),
             placement,
+            allow_weight_version_mismatch=request.allow_weight_version_mismatch,
         )
         return pb.RestoreResponse(
             phase=pb.PARTICIPANT_PHASE_RESTORED,

@@ -106,7 +106,8 @@ class Comments:
 
 
 def _dedent(comment: str) -> str:
-    lines = comment.rstrip().split("\n")
+    # `buf:lint:ignore` directives are for buf, not readers.
+    lines = [line for line in comment.rstrip().split("\n") if not line.strip().startswith("buf:lint:")]
     # protoc keeps the space after `//`; strip it, keep deeper indentation (code blocks).
     return "\n".join(line[1:] if line.startswith(" ") else line for line in lines).strip("\n")
 

@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from google.protobuf import json_format
@@ -54,15 +54,27 @@ def _index_text(index: pb.CheckpointIndex) -> str:
     return json_format.MessageToJson(index, preserving_proto_field_name=True, sort_keys=True, indent=1) + "\n"
 
 
-def write_index(folder: Path, checkpoint_id: str, manifests: Iterable[pb.CheckpointManifest]) -> pb.CheckpointIndex:
+def write_index(
+    folder: Path,
+    checkpoint_id: str,
+    manifests: Iterable[pb.CheckpointManifest],
+    *,
+    trainer_state: pb.TrainerStateRef | None = None,
+    weight_versions: Mapping[str, str] | None = None,
+) -> pb.CheckpointIndex:
     """Index the manifests every member committed into `folder/INDEX`, last and create-only (blocking).
 
     Each manifest is read back from the folder (the controller must see it) and must be the one
     its participant reported; the index holds the sha256 of its bytes. An equal index already
-    there (a retried commit) is kept; another one is CHECKPOINT_CONFLICT.
+    there (a retried commit) is kept; another one is CHECKPOINT_CONFLICT. `trainer_state` and
+    `weight_versions` (model server name -> loaded version) are recorded as given.
     """
     index = pb.CheckpointIndex(
-        checkpoint_id=checkpoint_id, create_time=timestamp(time.time()), schema_version=INDEX_SCHEMA_VERSION
+        checkpoint_id=checkpoint_id,
+        create_time=timestamp(time.time()),
+        schema_version=INDEX_SCHEMA_VERSION,
+        trainer_state=trainer_state,
+        weight_versions=dict(weight_versions or {}),
     )
     for manifest in manifests:
         relative = manifest_path(manifest.kind, manifest.name, manifest.endpoint_id)

@@ -118,6 +118,11 @@ class Participant(abc.ABC):
         """
         return record.episode_id.rollout_id
 
+    def check_records(  # noqa: B027 - optional hook
+        self, records: Sequence[rec_pb.CheckpointRecord], *, allow_weight_version_mismatch: bool = False
+    ) -> None:
+        """Refuse a restore from records this participant must not install (before `stage`)."""
+
     @abc.abstractmethod
     async def stage(self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey]) -> Any:
         """Decode and validate every record of the restore scope; change nothing."""

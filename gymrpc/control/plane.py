@@ -350,17 +350,21 @@ class ControlPlane:
         checkpoint_dir: str,
         episodes: Sequence[EpisodeKey],
         placement: Placement | None = None,
+        *,
+        allow_weight_version_mismatch: bool = False,
     ) -> tuple[str, list[EpisodeKey]]:
         """Install a committed checkpoint into this fresh process, all or nothing.
 
         `placement`: read the records of several replicas and install the ones placed here.
+        `allow_weight_version_mismatch`: a model server installs records committed under other
+        weights than it has loaded (else WEIGHT_VERSION_MISMATCH).
         """
         check_id(checkpoint_id, "checkpoint_id")
         root = store.check_checkpoint_dir(checkpoint_dir)
         self._check_deadline(deadline)
         sources, replicas = self._check_placement(placement or Placement())
         scope = frozenset(episodes)
-        args = (str(root), scope, sources, replicas)
+        args = (str(root), scope, sources, replicas, allow_weight_version_mismatch)
         async with self._lock:
             if (cached := self.replies.get(Op.RESTORE, checkpoint_id, args)) is not None:
                 return cached
@@ -380,6 +384,7 @@ class ControlPlane:
             try:
                 async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
                     manifest, records = await asyncio.to_thread(self._read, root, sources)
+                    self.participant.check_records(records, allow_weight_version_mismatch=allow_weight_version_mismatch)
                     selected = self.participant.select(records, scope)
                     if replicas:  # only the records placed on this replica
                         selected, placed = self._placed_here(selected, scope, replicas)

@@ -43,6 +43,23 @@ class EpisodeResult:
     """Seconds from sending `Run` to its reply, as the collector saw them (restarts included)."""
     trajectory: agent_pb.Trajectory | None = None
     error: GymrpcError | None = None
+    policy_lag: int | None = None
+    """Versions the episode's oldest token is behind the weights serving when it finished; None
+    unless measured (`collect(max_policy_lag=...)`) or when the versions cannot be compared."""
+    stale: bool = False
+    """Its policy lag is beyond `max_policy_lag` (kept, flagged; after `stale="restart"`, the last try)."""
+    stale_restarts: int = 0
+    """Times it was retired as stale and run again as the next attempt (`stale="restart"`)."""
+    attempt: int = 0
+    """The attempt the trajectory is of (the first one's, plus `stale_restarts`)."""
+
+    @property
+    def oldest_weight_version(self) -> str:
+        return self.trajectory.oldest_weight_version if self.trajectory is not None else ""
+
+    @property
+    def newest_weight_version(self) -> str:
+        return self.trajectory.newest_weight_version if self.trajectory is not None else ""
 
     @property
     def episode_id(self) -> str:
@@ -88,6 +105,13 @@ class EpisodeResult:
                 },
                 "model_calls": len(t.model_calls),
                 "tool_calls": len(t.tool_calls),
+                "weights": {
+                    "oldest": t.oldest_weight_version,
+                    "newest": t.newest_weight_version,
+                    "policy_lag": self.policy_lag,
+                    "stale": self.stale,
+                    "stale_restarts": self.stale_restarts,
+                },
             }
         else:
             out |= {"reward": None, "timings": {"latency_s": round(self.latency_s, 6)}}
@@ -121,6 +145,10 @@ async def collect(
     id_prefix: str | None = None,
     on_start: OnStart | None = None,
     on_result: OnResult | None = None,
+    max_policy_lag: int | None = None,
+    stale: str = "flag",
+    model: str = "model/policy",
+    max_stale_restarts: int = 3,
 ) -> list[EpisodeResult]:
     """Run every task `repeats` times through `agent`, at most `concurrency` episodes at once.
 
@@ -134,10 +162,21 @@ async def collect(
     recognisable). Returns the results in finishing order.
     Cancelling the call cancels the episodes in flight; results already reported stay.
 
+    Staleness: with `max_policy_lag=K`, each episode's oldest weight version (the oldest that
+    produced any of its tokens) is compared, as it finishes, with the version the model server
+    `model` serves then (`gymrpc.weights.policy_lag`). More than K behind, it is stale:
+    `stale="flag"` keeps it with `stale` set; `stale="restart"` runs it again as the next
+    attempt (the agent starts it over), at most `max_stale_restarts` times, and reports the last
+    try (still flagged if it is stale too). Each reported result is one episode, never two.
+
     Raises `NotFound` at once when `agent` was never registered.
     """
     if concurrency < 1 or repeats < 1:
         raise ValueError(f"concurrency and repeats must be at least 1, got {concurrency} and {repeats}")
+    if stale not in ("flag", "restart"):
+        raise ValueError(f"stale must be 'flag' or 'restart', got {stale!r}")
+    if max_policy_lag is not None and max_policy_lag < 0:
+        raise ValueError(f"max_policy_lag must be at least 0, got {max_policy_lag}")
     prefix = check_prefix(id_prefix) if id_prefix is not None else f"rollout-{uuid.uuid4().hex[:12]}"
     items = [t if isinstance(t, RolloutTask) else RolloutTask(i, t, prefix) for i, t in enumerate(tasks)]
     planned = [(t, r) for t in items for r in range(repeats) if t.episode_id(r) not in skip]
@@ -148,22 +187,29 @@ async def collect(
     results: list[EpisodeResult] = []
 
     async def run_one(task: RolloutTask, repeat: int) -> EpisodeResult:
-        request = agent_pb.RunRequest(
-            task=task.task,
-            episode_id=common_pb2.EpisodeId(
-                rollout_id=task.episode_id(repeat), attempt=(attempts or {}).get(task.episode_id(repeat), 0)
-            ),
-            policy_version=policy_version,
-            options=options,
-        )
+        attempt = (attempts or {}).get(task.episode_id(repeat), 0)
         started_at, started = time.time(), time.perf_counter()
-        result = EpisodeResult(task, repeat, agent, policy_version, started_at, 0.0)
-        try:
-            result.trajectory = (await stub.Run(request, timeout=timeout)).trajectory
-        except GymrpcError as err:
-            result.error = err
-        except Exception as exc:  # not a gRPC failure: still an episode that did not finish
-            result.error = UnknownError(f"{type(exc).__name__}: {exc}", reason="COLLECTOR_ERROR")
+        result = EpisodeResult(task, repeat, agent, policy_version, started_at, 0.0, attempt=attempt)
+        while True:
+            request = agent_pb.RunRequest(
+                task=task.task,
+                episode_id=common_pb2.EpisodeId(rollout_id=task.episode_id(repeat), attempt=result.attempt),
+                policy_version=policy_version,
+                options=options,
+            )
+            try:
+                result.trajectory = (await stub.Run(request, timeout=timeout)).trajectory
+                if max_policy_lag is not None:
+                    await _measure_lag(client, model, result, max_policy_lag)
+            except GymrpcError as err:
+                result.error = err
+            except Exception as exc:  # not a gRPC failure: still an episode that did not finish
+                result.error = UnknownError(f"{type(exc).__name__}: {exc}", reason="COLLECTOR_ERROR")
+            if not (result.stale and stale == "restart" and result.stale_restarts < max_stale_restarts):
+                break
+            result.stale_restarts += 1
+            result.attempt += 1
+            result.trajectory, result.stale, result.policy_lag = None, False, None
         result.latency_s = time.perf_counter() - started
         return result
 
@@ -186,6 +232,14 @@ async def collect(
     except BaseExceptionGroup as group_error:  # a failing on_result: raise it as itself
         raise group_error.exceptions[0] from None
     return results
+
+
+async def _measure_lag(client: Client, model: str, result: EpisodeResult, bound: int) -> None:
+    from gymrpc.weights import policy_lag, served_versions
+
+    current, history = await served_versions(client, model)
+    result.policy_lag = policy_lag(result.oldest_weight_version, current, history)
+    result.stale = result.policy_lag is not None and result.policy_lag > bound
 
 
 def _raise_if_cancelled() -> None:

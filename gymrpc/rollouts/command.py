@@ -43,6 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TIMEOUT,
         help="seconds one episode may take, retries after restarts included (default %(default)s)",
     )
+    parser.add_argument(
+        "--max-policy-lag",
+        type=int,
+        metavar="K",
+        help="an episode whose oldest token is more than K weight versions behind when it finishes is stale",
+    )
+    parser.add_argument(
+        "--stale",
+        choices=("flag", "restart"),
+        default="flag",
+        help="stale episodes: keep them flagged, or run them again as the next attempt (default %(default)s)",
+    )
+    parser.add_argument("--model", default="model/policy", help="model server whose version --max-policy-lag reads")
     parser.add_argument("--id-prefix", help="episode ids are PREFIX-t<task>-r<repeat> (default: the file's stem)")
     existing = parser.add_mutually_exclusive_group()
     existing.add_argument(
@@ -160,6 +173,9 @@ async def _main(args: argparse.Namespace, tasks: list[RolloutTask], skip: set[st
                 attempts=control.attempts if control is not None else None,
                 on_start=on_start,
                 on_result=on_result,
+                max_policy_lag=args.max_policy_lag,
+                stale=args.stale,
+                model=args.model,
             )
         except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels us) or SIGTERM: keep what was written
             interrupted = True

@@ -120,6 +120,15 @@ class Summary:
         """Calls that moved to another replica after theirs failed, over every finished episode."""
         return sum(r.trajectory.failovers for r in self.results if r.trajectory is not None)
 
+    @property
+    def stale(self) -> list[EpisodeResult]:
+        """Episodes reported stale (beyond `max_policy_lag`, kept and flagged)."""
+        return [r for r in self.results if r.stale]
+
+    @property
+    def stale_restarts(self) -> int:
+        return sum(r.stale_restarts for r in self.results)
+
     def to_json(self) -> dict[str, Any]:
         latencies = [r.latency_s for r in self.results]
         return {
@@ -136,6 +145,9 @@ class Summary:
             "wall_s": self.wall_s,
             "episodes_per_s": len(self.results) / self.wall_s if self.wall_s > 0 else None,
             "failovers": self.failovers,
+            "stale": len(self.stale),
+            "stale_restarts": self.stale_restarts,
+            "max_policy_lag_seen": max((r.policy_lag for r in self.results if r.policy_lag is not None), default=None),
             "failures": [{"episode_id": r.episode_id, **error_json(r.error)} for r in self.failed if r.error],
         }
 
@@ -168,6 +180,12 @@ class Summary:
         if failovers := self.failovers:
             moved = sum(1 for r in self.results if r.trajectory is not None and r.trajectory.failovers)
             out.append(f"failovers {failovers} calls of {moved} episodes moved to another replica")
+        lags = [r.policy_lag for r in self.results if r.policy_lag is not None]
+        if lags or self.stale_restarts:
+            out.append(
+                f"staleness {len(self.stale)} stale (flagged), {self.stale_restarts} restarts of stale episodes; "
+                f"policy lag max {max(lags, default=0)}"
+            )
         failed = sorted(self.failed, key=lambda r: (r.task.index, r.repeat))
         if failed:
             out.append(f"failures  {len(failed)}:")

@@ -295,6 +295,8 @@ class Trajectory(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
     FAILOVERS_FIELD_NUMBER: _builtins.int
+    OLDEST_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    NEWEST_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """Task id from the request."""
     reward: _builtins.float
@@ -319,6 +321,12 @@ class Trajectory(_message.Message):
     calls), as counted by the clients that saw them: the agent that finished
     the episode, and `gymrpc.Client.run` for `Run` itself.
     """
+    oldest_weight_version: _builtins.str
+    """The first weight version that produced any of the episode's completion
+    tokens (by span order of its first model call).
+    """
+    newest_weight_version: _builtins.str
+    """The last weight version that produced any of its completion tokens."""
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:
         """Episode identity."""
@@ -362,10 +370,12 @@ class Trajectory(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
         failovers: _builtins.int = ...,
+        oldest_weight_version: _builtins.str = ...,
+        newest_weight_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "failovers", b"failovers", "mask_sample", b"mask_sample", "messages", b"messages", "model_calls", b"model_calls", "policy_version", b"policy_version", "restart_count", b"restart_count", "resume_count", b"resume_count", "reward", b"reward", "steps", b"steps", "stop_reason", b"stop_reason", "task_id", b"task_id", "timing", b"timing", "tool_calls", b"tool_calls", "usage", b"usage", "verify_details_json", b"verify_details_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "failovers", b"failovers", "mask_sample", b"mask_sample", "messages", b"messages", "model_calls", b"model_calls", "newest_weight_version", b"newest_weight_version", "oldest_weight_version", b"oldest_weight_version", "policy_version", b"policy_version", "restart_count", b"restart_count", "resume_count", b"resume_count", "reward", b"reward", "steps", b"steps", "stop_reason", b"stop_reason", "task_id", b"task_id", "timing", b"timing", "tool_calls", b"tool_calls", "usage", b"usage", "verify_details_json", b"verify_details_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -382,6 +392,7 @@ class ModelCallRecord(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     LATENCY_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSIONS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Zero-based step of the call."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -396,6 +407,10 @@ class ModelCallRecord(_message.Message):
     def latency(self) -> _duration_pb2.Duration:
         """Wall-clock time of the call."""
 
+    @_builtins.property
+    def weight_versions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.WeightVersionSpan]:
+        """Which weights produced which completion tokens (`GenerateResponse`)."""
+
     def __init__(
         self,
         *,
@@ -404,10 +419,11 @@ class ModelCallRecord(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         weight_version: _builtins.str = ...,
         latency: _duration_pb2.Duration | None = ...,
+        weight_versions: _abc.Iterable[_common_pb2.WeightVersionSpan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency", "tokens", b"tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "latency", b"latency", "step", b"step", "tokens", b"tokens", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "latency", b"latency", "step", b"step", "tokens", b"tokens", "weight_version", b"weight_version", "weight_versions", b"weight_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -267,6 +267,12 @@ class ModelEpisodeRecord(_message.Message):
 
     ROWS_FIELD_NUMBER: _builtins.int
     CUTS_FIELD_NUMBER: _builtins.int
+    LOADED_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    loaded_weight_version: _builtins.str
+    """The weights the model server had loaded when it committed; a restore
+    into a server with other weights refuses (WEIGHT_VERSION_MISMATCH)
+    unless `RestoreRequest.allow_weight_version_mismatch` is set.
+    """
     @_builtins.property
     def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___CaptureRow]:
         """Delivered model calls, in delivery order: the tokens a trainer uses."""
@@ -280,10 +286,11 @@ class ModelEpisodeRecord(_message.Message):
         *,
         rows: _abc.Iterable[Global___CaptureRow] | None = ...,
         cuts: _abc.Iterable[Global___GenerationCut] | None = ...,
+        loaded_weight_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuts", b"cuts", "rows", b"rows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuts", b"cuts", "loaded_weight_version", b"loaded_weight_version", "rows", b"rows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -301,6 +308,7 @@ class CaptureRow(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSIONS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id of the call."""
     source_attempt: _builtins.int
@@ -317,6 +325,10 @@ class CaptureRow(_message.Message):
     def message(self) -> _common_pb2.Message:
         """The message parsed from the completion, as delivered."""
 
+    @_builtins.property
+    def weight_versions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.WeightVersionSpan]:
+        """Which weights produced which completion tokens."""
+
     def __init__(
         self,
         *,
@@ -326,10 +338,11 @@ class CaptureRow(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         weight_version: _builtins.str = ...,
         message: _common_pb2.Message | None = ...,
+        weight_versions: _abc.Iterable[_common_pb2.WeightVersionSpan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "tokens", b"tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "message", b"message", "request_id", b"request_id", "source_attempt", b"source_attempt", "tokens", b"tokens", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "message", b"message", "request_id", b"request_id", "source_attempt", b"source_attempt", "tokens", b"tokens", "weight_version", b"weight_version", "weight_versions", b"weight_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

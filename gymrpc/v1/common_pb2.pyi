@@ -429,6 +429,41 @@ class TokenTrace(_message.Message):
 Global___TokenTrace: _TypeAlias = TokenTrace  # noqa: Y015
 
 @_typing.final
+class WeightVersionSpan(_message.Message):
+    """The weights that produced a run of a completion's tokens.
+
+    A generation that straddles a weight update has one span per version,
+    in token order, together covering every completion token; for example
+    `iteration:7` for tokens 0..41 and `iteration:8` for 42..97.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    LAST_TOKEN_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.str
+    """The weights' version."""
+    first_token: _builtins.int
+    """Index of the span's first completion token."""
+    last_token: _builtins.int
+    """Index of its last completion token (inclusive)."""
+    def __init__(
+        self,
+        *,
+        weight_version: _builtins.str = ...,
+        first_token: _builtins.int = ...,
+        last_token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "last_token", b"last_token", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightVersionSpan: _TypeAlias = WeightVersionSpan  # noqa: Y015
+
+@_typing.final
 class Usage(_message.Message):
     """Token counts of a generation or an episode."""
 

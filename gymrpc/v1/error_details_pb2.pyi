@@ -78,6 +78,18 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The server already runs as many calls as it admits; nothing was done.
     Retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
     """
+    ERROR_REASON_WEIGHTS_MISMATCH: _ErrorReason.ValueType  # 22
+    """New weights do not fit the loaded model: a tensor is missing or extra,
+    or its shape or dtype differs. Nothing was loaded. Code FAILED_PRECONDITION.
+    """
+    ERROR_REASON_CORRUPT_WEIGHTS: _ErrorReason.ValueType  # 23
+    """A weights file is unreadable, not a valid safetensors file, or fails its
+    sha256. Nothing was loaded. Code INVALID_ARGUMENT.
+    """
+    ERROR_REASON_WEIGHT_VERSION_MISMATCH: _ErrorReason.ValueType  # 24
+    """A checkpoint was taken under other weights than the ones loaded now; the
+    message names both. Code FAILED_PRECONDITION.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -144,5 +156,17 @@ ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 20
 ERROR_REASON_OVERLOADED: ErrorReason.ValueType  # 21
 """The server already runs as many calls as it admits; nothing was done.
 Retry after `RetryInfo`. Code RESOURCE_EXHAUSTED.
+"""
+ERROR_REASON_WEIGHTS_MISMATCH: ErrorReason.ValueType  # 22
+"""New weights do not fit the loaded model: a tensor is missing or extra,
+or its shape or dtype differs. Nothing was loaded. Code FAILED_PRECONDITION.
+"""
+ERROR_REASON_CORRUPT_WEIGHTS: ErrorReason.ValueType  # 23
+"""A weights file is unreadable, not a valid safetensors file, or fails its
+sha256. Nothing was loaded. Code INVALID_ARGUMENT.
+"""
+ERROR_REASON_WEIGHT_VERSION_MISMATCH: ErrorReason.ValueType  # 24
+"""A checkpoint was taken under other weights than the ones loaded now; the
+message names both. Code FAILED_PRECONDITION.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

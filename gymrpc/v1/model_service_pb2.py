@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gymrpc.v1 import common_pb2 as gymrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgymrpc/v1/model_service.proto\x12\tgymrpc.v1\x1a\x16gymrpc/v1/common.proto\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\nepisode_id\x18\x02 \x01(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12$\n\x08messages\x18\x03 \x03(\x0b\x32\x12.gymrpc.v1.Message\x12(\n\x05tools\x18\x04 \x03(\x0b\x32\x19.gymrpc.v1.ToolDefinition\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.gymrpc.v1.SamplingParams\"\xc7\x01\n\x10GenerateResponse\x12#\n\x07message\x18\x01 \x01(\x0b\x32\x12.gymrpc.v1.Message\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.gymrpc.v1.TokenTrace\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.gymrpc.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.gymrpc.v1.Usage\"D\n\x15GenerateStreamRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.gymrpc.v1.GenerateRequest\"w\n\x16GenerateStreamResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.gymrpc.v1.TokenDeltaH\x00\x12,\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1b.gymrpc.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"?\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x32\xb6\x01\n\x0cModelService\x12H\n\x08Generate\x12\x1a.gymrpc.v1.GenerateRequest\x1a\x1b.gymrpc.v1.GenerateResponse\"\x03\x90\x02\x02\x12\\\n\x0eGenerateStream\x12 .gymrpc.v1.GenerateStreamRequest\x1a!.gymrpc.v1.GenerateStreamResponse\"\x03\x90\x02\x02\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgymrpc/v1/model_service.proto\x12\tgymrpc.v1\x1a\x16gymrpc/v1/common.proto\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\nepisode_id\x18\x02 \x01(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12$\n\x08messages\x18\x03 \x03(\x0b\x32\x12.gymrpc.v1.Message\x12(\n\x05tools\x18\x04 \x03(\x0b\x32\x19.gymrpc.v1.ToolDefinition\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.gymrpc.v1.SamplingParams\"\xfe\x01\n\x10GenerateResponse\x12#\n\x07message\x18\x01 \x01(\x0b\x32\x12.gymrpc.v1.Message\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.gymrpc.v1.TokenTrace\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.gymrpc.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.gymrpc.v1.Usage\x12\x35\n\x0fweight_versions\x18\x06 \x03(\x0b\x32\x1c.gymrpc.v1.WeightVersionSpan\"D\n\x15GenerateStreamRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.gymrpc.v1.GenerateRequest\"w\n\x16GenerateStreamResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.gymrpc.v1.TokenDeltaH\x00\x12,\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1b.gymrpc.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"?\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x32\xb6\x01\n\x0cModelService\x12H\n\x08Generate\x12\x1a.gymrpc.v1.GenerateRequest\x1a\x1b.gymrpc.v1.GenerateResponse\"\x03\x90\x02\x02\x12\\\n\x0eGenerateStream\x12 .gymrpc.v1.GenerateStreamRequest\x1a!.gymrpc.v1.GenerateStreamResponse\"\x03\x90\x02\x02\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,13 +39,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=69
   _globals['_GENERATEREQUEST']._serialized_end=273
   _globals['_GENERATERESPONSE']._serialized_start=276
-  _globals['_GENERATERESPONSE']._serialized_end=475
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=477
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=545
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=547
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=666
-  _globals['_TOKENDELTA']._serialized_start=668
-  _globals['_TOKENDELTA']._serialized_end=731
-  _globals['_MODELSERVICE']._serialized_start=734
-  _globals['_MODELSERVICE']._serialized_end=916
+  _globals['_GENERATERESPONSE']._serialized_end=530
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=532
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=600
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=602
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=721
+  _globals['_TOKENDELTA']._serialized_start=723
+  _globals['_TOKENDELTA']._serialized_end=786
+  _globals['_MODELSERVICE']._serialized_start=789
+  _globals['_MODELSERVICE']._serialized_end=971
 # @@protoc_insertion_point(module_scope)

@@ -78,6 +78,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSIONS_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     """Why generation stopped."""
     weight_version: _builtins.str
@@ -94,6 +95,13 @@ class GenerateResponse(_message.Message):
     def usage(self) -> _common_pb2.Usage:
         """Token counts."""
 
+    @_builtins.property
+    def weight_versions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.WeightVersionSpan]:
+        """Which weights produced which completion tokens; one span unless a
+        weight update came while the call generated (then `weight_version` is
+        the last span's).
+        """
+
     def __init__(
         self,
         *,
@@ -102,10 +110,11 @@ class GenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         weight_version: _builtins.str = ...,
         usage: _common_pb2.Usage | None = ...,
+        weight_versions: _abc.Iterable[_common_pb2.WeightVersionSpan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "message", b"message", "tokens", b"tokens", "usage", b"usage", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "message", b"message", "tokens", b"tokens", "usage", b"usage", "weight_version", b"weight_version", "weight_versions", b"weight_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

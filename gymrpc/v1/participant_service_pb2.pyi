@@ -560,10 +560,32 @@ class CheckpointIndex(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class WeightVersionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
+    TRAINER_STATE_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSIONS_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Checkpoint id; every listed manifest holds it."""
     schema_version: _builtins.int
@@ -576,6 +598,18 @@ class CheckpointIndex(_message.Message):
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointIndexMember]:
         """Every member that committed, one per replica, in discovery order."""
 
+    @_builtins.property
+    def trainer_state(self) -> Global___TrainerStateRef:
+        """The trainer's own state saved with this checkpoint, so trainer and
+        stack restore together; unset when none was registered.
+        """
+
+    @_builtins.property
+    def weight_versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The weight version each model server had loaded, by member name
+        (`CheckpointIndexMember.name`; several replicas have one version).
+        """
+
     def __init__(
         self,
         *,
@@ -583,14 +617,54 @@ class CheckpointIndex(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         schema_version: _builtins.int = ...,
         members: _abc.Iterable[Global___CheckpointIndexMember] | None = ...,
+        trainer_state: Global___TrainerStateRef | None = ...,
+        weight_versions: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "trainer_state", b"trainer_state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "create_time", b"create_time", "members", b"members", "schema_version", b"schema_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "create_time", b"create_time", "members", b"members", "schema_version", b"schema_version", "trainer_state", b"trainer_state", "weight_versions", b"weight_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CheckpointIndex: _TypeAlias = CheckpointIndex  # noqa: Y015
+
+@_typing.final
+class TrainerStateRef(_message.Message):
+    """Where a trainer's state for one checkpoint lies: a folder or a file
+    (blob) the trainer wrote before the checkpoint was published.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URI_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    uri: _builtins.str
+    """Absolute path of the folder or file, or a URI the trainer understands."""
+    sha256: _builtins.str
+    """Lowercase hex sha256 of the file (a blob), or of the folder's
+    `MANIFEST` listing when the trainer wrote one; empty when not hashed.
+    """
+    label: _builtins.str
+    """The trainer's own label (for example `iteration:40`)."""
+    size_bytes: _builtins.int
+    """Size in bytes, when known."""
+    def __init__(
+        self,
+        *,
+        uri: _builtins.str = ...,
+        sha256: _builtins.str = ...,
+        label: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "sha256", b"sha256", "size_bytes", b"size_bytes", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrainerStateRef: _TypeAlias = TrainerStateRef  # noqa: Y015
 
 @_typing.final
 class CheckpointIndexMember(_message.Message):
@@ -697,6 +771,7 @@ class RestoreRequest(_message.Message):
     SOURCE_ENDPOINT_IDS_FIELD_NUMBER: _builtins.int
     ENDPOINT_IDS_FIELD_NUMBER: _builtins.int
     ENDPOINT_ID_FIELD_NUMBER: _builtins.int
+    ALLOW_WEIGHT_VERSION_MISMATCH_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Id of this restore (fences it like a checkpoint)."""
     checkpoint_dir: _builtins.str
@@ -705,6 +780,11 @@ class RestoreRequest(_message.Message):
     """The replica this request is meant for. A participant with another
     endpoint id answers UNAVAILABLE (the caller reached it at a stale
     address and should resolve again). Empty: not checked.
+    """
+    allow_weight_version_mismatch: _builtins.bool
+    """Install records committed under other weights than this participant
+    has loaded (a model server's `loaded_weight_version`). Without it such
+    a restore is refused with WEIGHT_VERSION_MISMATCH naming both versions.
     """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
@@ -745,10 +825,11 @@ class RestoreRequest(_message.Message):
         source_endpoint_ids: _abc.Iterable[_builtins.str] | None = ...,
         endpoint_ids: _abc.Iterable[_builtins.str] | None = ...,
         endpoint_id: _builtins.str = ...,
+        allow_weight_version_mismatch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "endpoint_id", b"endpoint_id", "endpoint_ids", b"endpoint_ids", "episode_ids", b"episode_ids", "source_endpoint_ids", b"source_endpoint_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_weight_version_mismatch", b"allow_weight_version_mismatch", "checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "endpoint_id", b"endpoint_id", "endpoint_ids", b"endpoint_ids", "episode_ids", b"episode_ids", "source_endpoint_ids", b"source_endpoint_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -173,6 +173,7 @@ class EpisodeLoop:
                 finish_reason=reply.finish_reason,
                 weight_version=reply.weight_version,
                 latency=duration(latency),
+                weight_versions=reply.weight_versions,
             )
         )
         state.usage.input_tokens += reply.usage.input_tokens

@@ -139,6 +139,10 @@ class EpisodeState:
         """Everything the episode produced; final once `phase` is COMPLETED."""
         verify = self.verify or resources_pb.VerifyResponse()
         policy_version = self.policy_version or (self.model_calls[-1].weight_version if self.model_calls else "")
+        versions = [s.weight_version for c in self.model_calls for s in c.weight_versions] or [
+            c.weight_version for c in self.model_calls if c.weight_version
+        ]
+        oldest, newest = (versions[0], versions[-1]) if versions else ("", "")
         return agent_pb.Trajectory(
             episode_id=self.episode_id,
             task_id=self.task.task_id,
@@ -156,4 +160,6 @@ class EpisodeState:
             usage=self.usage,
             timing=common_pb2.Timing(total=duration(self.elapsed_s), parked=duration(self.parked_s)),
             failovers=self.failovers,
+            oldest_weight_version=oldest,
+            newest_weight_version=newest,
         )

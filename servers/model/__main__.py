@@ -5,6 +5,8 @@ python -m servers.model --backend scripted --script replies.jsonl --recorded exa
 python -m servers.model --policy counter --recorded env:blackjack   # an env's bundled recordings
 python -m servers.model --backend openai --upstream-url http://127.0.0.1:8011
 python -m servers.model --backend vllm --model-path DIR [--dtype bfloat16] [--tensor-parallel-size 2]
+
+With a control token the server also serves WeightsService: new weights while episodes run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from servers.model.backends.vllm import add_vllm_arguments, model_tokenizer_file
 from servers.model.participant import ModelParticipant
 from servers.model.requests import Limits
 from servers.model.service import ModelServicer
+from servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES
+from servers.model.weights.service import WeightsServicer, weights_binding
 from servers.participant import add_participant_arguments, start_plane, wants_participant
 
 POLICIES = ("counter",)
@@ -66,6 +70,7 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
             api_key=key or os.environ.get("GYMRPC_UPSTREAM_API_KEY"),
             timeout=args.upstream_timeout,
             dev_abort=args.upstream_dev_abort,
+            weights_model=args.upstream_weights,
         )
     from servers.model.backends.scripted import ScriptedBackend
     from servers.model.backends.sources import CounterSolver, RecordedRollouts, ReplySource, ScriptFile
@@ -80,6 +85,7 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
         weight_version=args.weight_version or "scripted:0",
         fallback=args.fallback,
         token_delay=args.token_delay,
+        weights=args.weights,
     )
 
 
@@ -114,6 +120,30 @@ def main() -> None:
     scripted.add_argument("--policy", action="append", default=[], choices=POLICIES, help="built-in policy")
     scripted.add_argument("--fallback", help="reply text when no source knows the turn (default: an error)")
     scripted.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
+    scripted.add_argument(
+        "--weights",
+        type=Path,
+        help="a safetensors folder standing for the loaded weights: updates must match its tensors",
+    )
+    updates = parser.add_argument_group("weight updates (WeightsService; needs the control token)")
+    updates.add_argument(
+        "--weights-staging-dir",
+        type=Path,
+        help="where UploadWeights writes streamed files before loading them (default: a folder under $TMPDIR)",
+    )
+    updates.add_argument(
+        "--max-weights-bytes",
+        type=int,
+        default=DEFAULT_MAX_TOTAL_BYTES,
+        help="largest update in bytes, streamed or by path (default %(default)s)",
+    )
+    updates.add_argument(
+        "--weights-root",
+        action="append",
+        default=[],
+        type=Path,
+        help="UpdateWeights paths must lie inside this folder (repeatable; default: any absolute path)",
+    )
     upstream = parser.add_argument_group("openai backend")
     upstream.add_argument("--upstream-url", help="base URL of an OpenAI-compatible server")
     upstream.add_argument("--upstream-model", help="model name (default: the first of /v1/models)")
@@ -123,6 +153,14 @@ def main() -> None:
         "--upstream-dev-abort",
         action="store_true",
         help="abort through vLLM's /abort_requests (VLLM_SERVER_DEV_MODE=1), keeping partials",
+    )
+    upstream.add_argument(
+        "--upstream-weights",
+        type=Path,
+        metavar="MODEL_DIR",
+        help="take weight updates through a vLLM upstream's dev endpoints (VLLM_SERVER_DEV_MODE=1, "
+        "--worker-extension-cls servers.model.backends.vllm_weights.WeightsExtension); MODEL_DIR is the "
+        "safetensors folder it loaded, which updates must match",
     )
     add_vllm_arguments(parser)
     args = parser.parse_args()
@@ -154,6 +192,15 @@ def main() -> None:
         if wants_participant(args, config):
             plane, control = start_plane(ModelParticipant(servicer), config.name, args)
             bindings.append(control)
+        if config.token:
+            weights = WeightsServicer(
+                servicer.backend,
+                plane=plane,
+                staging_dir=args.weights_staging_dir,
+                max_total_bytes=args.max_weights_bytes,
+                roots=tuple(args.weights_root),
+            )
+            bindings.append(weights_binding(weights))
 
         async def stop() -> None:
             if plane is not None:

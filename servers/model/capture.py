@@ -63,6 +63,8 @@ class Generation:
     weight_version: str = ""
     finish: Finish | None = None
     cut_requested: bool = False
+    spans: list[tuple[str, int, int]] = field(default_factory=list)
+    """Which weights produced which of `token_ids` (`servers.model.spans`)."""
 
     def to_cut(self) -> rec_pb.GenerationCut:
         complete = self.state == "held"

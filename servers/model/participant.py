@@ -22,10 +22,11 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
-from gymrpc.errors import DataLoss
+from gymrpc.errors import DataLoss, FailedPrecondition
 from gymrpc.messages import message_to_dict
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import model_service_pb2 as pb
+from servers.model import spans as version_spans
 from servers.model.backends.base import Completion, Conversation, Finish, Sampling
 from servers.model.capture import FINISH_OF, CaptureLedger, Generation, RestoredCuts, request_digest
 from servers.model.flights import Flight
@@ -86,6 +87,7 @@ class ModelParticipant(Participant):
             gen.token_ids = list(cut.prefix_token_ids)
             gen.logprobs = list(cut.prefix_logprobs) if cut.prefix_logprobs or not cut.prefix_token_ids else None
             gen.weight_version = cut.weight_version
+            version_spans.extend(gen.spans, cut.weight_version, len(gen.token_ids))
             if cut.complete:
                 gen.finish = FINISH_OF.get(cut.finish_reason, Finish.STOP)
                 return self._completion(gen)
@@ -104,6 +106,7 @@ class ModelParticipant(Participant):
                 elif gen.logprobs is not None:
                     gen.logprobs.extend(delta.logprobs)
                 gen.weight_version = delta.weight_version or gen.weight_version
+                version_spans.extend(gen.spans, gen.weight_version, len(delta.token_ids))
                 finish = delta.finish or finish
             self.marks.check(gen.episode)  # retired while it generated
             if finish is Finish.ABORT and gen.cut_requested:
@@ -119,7 +122,9 @@ class ModelParticipant(Participant):
     @staticmethod
     def _completion(gen: Generation) -> Completion:
         logprobs = None if gen.logprobs is None else tuple(gen.logprobs)
-        return Completion(tuple(gen.token_ids), logprobs, gen.finish or Finish.STOP, gen.weight_version)
+        return Completion(
+            tuple(gen.token_ids), logprobs, gen.finish or Finish.STOP, gen.weight_version, tuple(gen.spans)
+        )
 
     async def deliver(self, checked: Checked, response: pb.GenerateResponse) -> None:
         """Hold a unary response while admission is closed; record it in the ledger as it leaves."""
@@ -141,6 +146,7 @@ class ModelParticipant(Participant):
                     finish_reason=response.finish_reason,
                     weight_version=response.weight_version,
                     message=response.message,
+                    weight_versions=response.weight_versions,
                 ),
             )
         gen.state = "delivered"
@@ -148,6 +154,7 @@ class ModelParticipant(Participant):
     # -- admission ---------------------------------------------------------------------------
 
     async def close_admission(self) -> None:
+        await self.servicer.backend.idle()  # a weight update in progress finishes first, never half-applied
         self.admission.close()
         for gen in list(self._generations.values()):
             if gen.state == "generating":
@@ -186,7 +193,9 @@ class ModelParticipant(Participant):
         records = []
         for episode in sorted(e for e in episodes if e.rollout_id):
             body = rec_pb.ModelEpisodeRecord(
-                rows=self.ledger.rows(episode), cuts=[*parked.get(episode, ()), *self.cuts.of(episode)]
+                rows=self.ledger.rows(episode),
+                cuts=[*parked.get(episode, ()), *self.cuts.of(episode)],
+                loaded_weight_version=self.backend.weight_version,
             )
             records.append(rec_pb.CheckpointRecord(episode_id=episode.to_pb(), model_episode=body))
         return records
@@ -205,6 +214,24 @@ class ModelParticipant(Participant):
         if len(self.ledger):
             return f"its ledger already holds {len(self.ledger)} delivered calls"
         return super().not_fresh()  # calls still waiting for admission do not count: they were never run
+
+    def check_records(
+        self, records: Sequence[rec_pb.CheckpointRecord], *, allow_weight_version_mismatch: bool = False
+    ) -> None:
+        """A checkpoint taken under other weights continues its episodes with a policy they never saw."""
+        loaded = self.backend.weight_version
+        for record in records:
+            if record.WhichOneof("body") != "model_episode":
+                continue
+            theirs = record.model_episode.loaded_weight_version
+            if theirs and theirs != loaded and not allow_weight_version_mismatch:
+                raise FailedPrecondition(
+                    f"the checkpoint was taken with weights {theirs!r} loaded, but this model server has "
+                    f"{loaded!r}; load {theirs!r} first (UpdateWeights), or restore with "
+                    "allow_weight_version_mismatch to continue its episodes under the new weights",
+                    reason="WEIGHT_VERSION_MISMATCH",
+                    metadata={"checkpoint_weight_version": theirs, "loaded_weight_version": loaded},
+                )
 
     async def stage(self, records: Sequence[rec_pb.CheckpointRecord], scope: frozenset[EpisodeKey]) -> Staged:
         staged: Staged = {}
@@ -253,7 +280,11 @@ class ModelParticipant(Participant):
         self._pending = {e for e in self._pending if not self.marks.is_retired(e)}
 
     def details(self) -> dict[str, str]:
-        return {"backend": self.backend.name, "ledger_tokens": str(self.ledger.tokens())}
+        return {
+            "backend": self.backend.name,
+            "ledger_tokens": str(self.ledger.tokens()),
+            "weight_version": self.backend.weight_version,
+        }
 
 
 def _merge(into: tuple[list[rec_pb.CaptureRow], list[rec_pb.GenerationCut]], body: rec_pb.ModelEpisodeRecord) -> None:

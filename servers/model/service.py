@@ -23,9 +23,11 @@ from gymrpc.messages import message_from_dict
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
 from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
+from servers.model import spans as version_spans
 from servers.model.backends.base import Conversation, Finish, ModelBackend
 from servers.model.flights import Flight, FlightTable
 from servers.model.requests import Checked, Limits, check_request
+from servers.model.weights.switch import WeightSwitch
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         cache_size: int = 1024,
         system_prompt: str | None = None,
     ) -> None:
-        self.backend = backend
+        self.backend = backend if isinstance(backend, WeightSwitch) else WeightSwitch(backend)
+        """The backend behind a `WeightSwitch`, which puts new weights in while generations run."""
         self.tokenizer = tokenizer
         self.limits = limits or Limits()
         self.memory = CompletionMemory(cache_size)
@@ -95,6 +98,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         token_ids: list[int] = []
         logprobs: list[float] | None = []
         finish, version = Finish.ABORT, ""
+        spans: list[version_spans.Span] = []
         if streaming:
             decoder = self.tokenizer.decoder()
             async for delta in self.backend.stream(*args, conversation=conversation):
@@ -105,6 +109,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                     logprobs.extend(delta.logprobs)
                 finish = delta.finish or finish
                 version = delta.weight_version or version
+                version_spans.extend(spans, version or self.backend.weight_version, len(delta.token_ids))
                 if delta.token_ids:
                     text = decoder.push([t for t in delta.token_ids if t not in self.tokenizer.stop_token_ids])
                     flight.publish(pb.TokenDelta(text=text, token_ids=delta.token_ids, logprobs=delta.logprobs or ()))
@@ -117,6 +122,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 completion.weight_version,
             )
             logprobs = None if completion.logprobs is None else list(completion.logprobs)
+            spans = list(completion.spans)
+            if not spans:
+                version_spans.extend(spans, version or self.backend.weight_version, len(token_ids))
             if token_ids:
                 text = self.tokenizer.decode(self.tokenizer.strip_stop(token_ids))
                 flight.publish(pb.TokenDelta(text=text, token_ids=token_ids, logprobs=logprobs or ()))
@@ -131,8 +139,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 completion_logprobs=logprobs or (),
             ),
             finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS if has_calls else _FINISH[finish],
-            weight_version=version or getattr(self.backend, "weight_version", ""),
+            weight_version=(spans[-1][0] if spans else version) or self.backend.weight_version,
             usage=common_pb2.Usage(input_tokens=len(prompt), output_tokens=len(token_ids)),
+            weight_versions=version_spans.to_pb(spans),
         )
         if self.gate is not None:
             await self.gate.deliver(checked, response)  # held while a checkpoint is open

@@ -40,6 +40,8 @@ class FakeVLLM:
         self.chunk_delay = 0.0
         self.fail_with: tuple[int, str] | None = None
         self.bad_logprobs = False
+        self.dev_calls: list[tuple[str, Any]] = []
+        self.stage_error: str | None = None
 
     def shape_errors(self, body: dict[str, Any]) -> list[str]:
         problems = []
@@ -105,6 +107,11 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/abort_requests":
             fake.aborted.update(body["request_ids"])
             return self._json(200, {"status": "aborted", "aborted": len(body["request_ids"])})
+        if self.path.split("?")[0] in ("/pause", "/resume", "/collective_rpc", "/update_weight_version"):
+            fake.dev_calls.append((self.path, body))
+            if self.path == "/collective_rpc" and body["method"] == "gymrpc_stage_weights" and fake.stage_error:
+                return self._json(500, {"error": {"message": fake.stage_error}})
+            return self._json(200, {"results": [None]} if self.path == "/collective_rpc" else {"status": "ok"})
         if self.path != "/v1/completions":
             return self._json(404, {"error": {"message": f"no route {self.path}"}})
         fake.requests.append(body)
@@ -291,3 +298,74 @@ def test_servicer_over_the_openai_backend(upstream: tuple[str, FakeVLLM]) -> Non
         assert fake.requests[-1]["max_tokens"] == 1024  # the server default when the request leaves it 0
 
     asyncio.run(main())
+
+
+def _folder(root: Any, shape: tuple[int, ...] = (4, 4)) -> Any:
+    from gymrpc.testing.safetensors_files import write_safetensors
+
+    root.mkdir()
+    write_safetensors(root / "model.safetensors", {"w": ("F32", shape, None)})
+    return root
+
+
+def test_weight_updates_without_the_dev_endpoints_are_unimplemented_naming_what_is_missing(
+    upstream: tuple[str, FakeVLLM], tmp_path: Any
+) -> None:
+    from gymrpc.errors import Unimplemented
+    from servers.model.weights.service import WeightsServicer
+    from servers.model.weights.switch import Mode, WeightSwitch
+
+    url, fake = upstream
+    backend = OpenAIBackend(url, model="tiny")
+
+    async def scenario() -> None:
+        servicer = WeightsServicer(WeightSwitch(backend))
+        with pytest.raises(Unimplemented) as caught:
+            await servicer._update(_folder(tmp_path / "w"), "it:1", Mode.KEEP)
+        for needed in ("VLLM_SERVER_DEV_MODE=1", "--worker-extension-cls", "/collective_rpc", "--upstream-weights"):
+            assert needed in caught.value.message
+        assert fake.dev_calls == []
+        assert backend.weight_version == "upstream"
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_weight_updates_go_through_the_dev_endpoints_in_order(upstream: tuple[str, FakeVLLM], tmp_path: Any) -> None:
+    from servers.model.weights.folder import open_folder
+    from servers.model.weights.switch import Mode, WeightSwitch
+
+    url, fake = upstream
+    model = _folder(tmp_path / "model")
+    backend = OpenAIBackend(url, model="tiny", weights_model=model)
+    assert backend.weights_unsupported() is None
+    new = open_folder(_folder(tmp_path / "new"))
+
+    async def scenario() -> None:
+        switch = WeightSwitch(backend)
+        staged = await switch.stage(new)
+        applied = await switch.apply(staged, "it:1", Mode.KEEP)
+        assert (applied.previous, applied.version) == ("upstream", "it:1")
+        assert backend.weight_version == "it:1"
+        paths = [p for p, _ in fake.dev_calls]
+        assert paths == [
+            "/collective_rpc",
+            "/pause?mode=keep&clear_cache=false",
+            "/collective_rpc",
+            "/update_weight_version",
+            "/resume",
+        ]
+        stage, apply = fake.dev_calls[0][1], fake.dev_calls[2][1]
+        assert stage["method"] == "gymrpc_stage_weights"
+        assert json.loads(stage["args"][0]) == [str(new.files[0])]
+        assert apply == {"method": "gymrpc_apply_weights"}
+        assert fake.dev_calls[3][1] == {"new_version": "it:1"}
+        fake.dev_calls.clear()
+        fake.stage_error = "safetensors: invalid header"
+        with pytest.raises(InvalidArgument, match="could not read"):
+            await switch.stage(new)
+        assert [p for p, _ in fake.dev_calls] == ["/collective_rpc"]  # never paused
+        assert backend.weight_version == "it:1"
+        await backend.close()
+
+    asyncio.run(scenario())

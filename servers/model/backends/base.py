@@ -17,6 +17,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gymrpc.errors import Unimplemented
+from servers.model.weights.folder import TensorSpec, WeightsFolder
+
 
 class Finish(enum.Enum):
     STOP = "stop"
@@ -77,6 +80,8 @@ class Completion:
     """One logprob per token id (of the sampled token), or None if the backend has none."""
     finish: Finish
     weight_version: str
+    spans: tuple[tuple[str, int, int], ...] = ()
+    """(version, first token, last token) of each run of tokens one version produced (`servers.model.spans`)."""
 
 
 @dataclass
@@ -117,14 +122,18 @@ class ModelBackend(abc.ABC):
         conversation: Conversation | None = None,
     ) -> Completion:
         """The whole completion; by default the stream, accumulated."""
+        from servers.model import spans as version_spans
+
         acc, finish, version = _Accumulator(), Finish.ABORT, ""
+        spans: list[tuple[str, int, int]] = []
         async for delta in self.stream(prompt_token_ids, sampling, request_id, conversation=conversation):
             acc.add(delta)
             version = delta.weight_version or version
+            version_spans.extend(spans, version, len(delta.token_ids))
             if delta.finish is not None:
                 finish = delta.finish
         logprobs = tuple(acc.logprobs) if acc.logprobs is not None else None
-        return Completion(tuple(acc.token_ids), logprobs, finish, version)
+        return Completion(tuple(acc.token_ids), logprobs, finish, version, tuple(spans))
 
     async def continue_stream(
         self,
@@ -155,3 +164,34 @@ class ModelBackend(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or engines."""
+
+    # -- weight updates (`servers.model.weights`) ----------------------------------------------
+    # An update is staged (read and checked, off the serving path; a failure changes nothing),
+    # then applied inside a pause (`freeze`/`thaw` for KEEP). A backend that cannot load
+    # weights says why in `weights_unsupported`; updates then fail with UNIMPLEMENTED.
+
+    def weights_unsupported(self) -> str | None:
+        """Why this backend cannot load new weights, or None when it can."""
+        return f"the {self.name} backend cannot load new weights"
+
+    def weight_specs(self) -> Mapping[str, TensorSpec] | None:
+        """The loaded model's tensors as checkpoint files name them; None: nothing to compare with."""
+        return None
+
+    async def stage_weights(self, folder: WeightsFolder) -> Any:
+        """Read and check `folder` completely; raising here leaves the old weights serving."""
+        raise Unimplemented(self.weights_unsupported() or "this backend cannot stage weights")
+
+    async def apply_weights(self, staged: Any, version: str) -> None:
+        """Swap in staged weights and name them `version` (called inside the pause)."""
+        raise Unimplemented(self.weights_unsupported() or "this backend cannot apply weights")
+
+    async def freeze(self) -> None:  # noqa: B027 - optional hook
+        """KEEP: stop sampling with every running generation kept where it is (its KV too)."""
+
+    async def thaw(self) -> None:  # noqa: B027 - optional hook
+        """Continue the generations `freeze` stopped."""
+
+    def cached_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens of the request's latest engine run served from a KV cache; None: unknown."""
+        return None

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,6 +30,8 @@ from servers.model.backends.base import (
     ModelBackend,
     Sampling,
 )
+from servers.model.backends.vllm_weights import WEIGHTS_EXTENSION
+from servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
 
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT, "tool_calls": Finish.STOP}
 
@@ -46,6 +49,7 @@ class OpenAIBackend(ModelBackend):
         timeout: float = 600.0,
         dev_abort: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
+        weights_model: Path | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.model = model
@@ -56,6 +60,10 @@ class OpenAIBackend(ModelBackend):
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
         self._aborts: dict[str, asyncio.Event] = {}
         self._model_lock = asyncio.Lock()
+        self._specs: dict[str, TensorSpec] | None = None
+        if weights_model is not None:
+            self._specs = open_folder(weights_model.resolve()).specs()
+        """Tensors of the model the upstream loaded (`--upstream-weights`); None: updates are off."""
 
     def request_body(
         self,
@@ -162,6 +170,44 @@ class OpenAIBackend(ModelBackend):
 
     async def close(self) -> None:
         await self._http.aclose()
+
+    # -- weight updates through vLLM's dev endpoints ---------------------------------------------
+
+    def weights_unsupported(self) -> str | None:
+        if self._specs is None:
+            return (
+                "the openai backend changes weights only on a vLLM upstream in dev mode "
+                "(VLLM_SERVER_DEV_MODE=1, for POST /pause, /resume, /collective_rpc and "
+                f"/update_weight_version) started with --worker-extension-cls {WEIGHTS_EXTENSION}; "
+                "run the model server with --upstream-weights MODEL_DIR (the folder the upstream loaded, "
+                "on a filesystem both see) to use it"
+            )
+        return None
+
+    def weight_specs(self) -> Mapping[str, TensorSpec] | None:
+        return self._specs
+
+    async def stage_weights(self, folder: WeightsFolder) -> Any:
+        files = json.dumps([str(f) for f in folder.files])
+        try:
+            await self._post_json("/collective_rpc", {"method": "gymrpc_stage_weights", "args": [files]})
+        except GymrpcError as exc:
+            raise InvalidArgument(
+                f"the upstream could not read the new weights: {exc.message}; nothing was loaded",
+                reason="CORRUPT_WEIGHTS",
+            ) from None
+        return folder
+
+    async def apply_weights(self, staged: Any, version: str) -> None:
+        await self._post_json("/collective_rpc", {"method": "gymrpc_apply_weights"})
+        await self._post_json("/update_weight_version", {"new_version": version})
+        self.weight_version = version
+
+    async def freeze(self) -> None:
+        await self._post_json("/pause?mode=keep&clear_cache=false", {})
+
+    async def thaw(self) -> None:
+        await self._post_json("/resume", {})
 
     async def _model(self) -> str:
         if self.model is None:

@@ -11,12 +11,15 @@ without a GPU.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from gymrpc.chat import ChatTokenizer
 from gymrpc.errors import FailedPrecondition
 from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
 from servers.model.backends.sources import ReplySource
+from servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
 
 
 class ScriptedBackend(ModelBackend):
@@ -31,6 +34,7 @@ class ScriptedBackend(ModelBackend):
         fallback: str | None = None,
         logprob: float = 0.0,
         token_delay: float = 0.0,
+        weights: Path | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.sources = list(sources)
@@ -40,6 +44,23 @@ class ScriptedBackend(ModelBackend):
         self.token_delay = token_delay
         """Seconds between streamed tokens; lets tests abort or cut a generation midway."""
         self._aborts: dict[str, asyncio.Event] = {}
+        self._specs: dict[str, TensorSpec] | None = None if weights is None else open_folder(weights.resolve()).specs()
+        """Tensors of the weights "loaded" (`--weights`, then each update's): updates must match them."""
+
+    # -- weight updates: a version bump, checked like a real load ------------------------------
+
+    def weights_unsupported(self) -> str | None:
+        return None
+
+    def weight_specs(self) -> Mapping[str, TensorSpec] | None:
+        return self._specs
+
+    async def stage_weights(self, folder: WeightsFolder) -> Any:
+        return folder
+
+    async def apply_weights(self, staged: Any, version: str) -> None:
+        self._specs = staged.specs()
+        self.weight_version = version
 
     def reply_text(self, conversation: Conversation) -> str:
         for source in self.sources:

@@ -46,12 +46,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gymrpc.chat import ChatTokenizer
-from gymrpc.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from gymrpc.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, Unavailable
 from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
+from servers.model.backends.vllm_weights import WEIGHTS_EXTENSION
+from servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
 
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
+
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 # Sampling defaults a model may ship in generation_config.json, applied as `vllm serve` does.
 _MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -119,6 +122,8 @@ def engine_args(options: VllmOptions) -> Any:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
         else:
             wanted["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
+    if "worker_extension_cls" in known:
+        wanted["worker_extension_cls"] = WEIGHTS_EXTENSION  # weight updates (`vllm_weights`)
     wanted.update(options.engine_args)
     unknown = sorted(k for k in wanted if k not in known)
     if unknown:
@@ -153,6 +158,10 @@ class VllmBackend(ModelBackend):
         self._reaper: subprocess.Popen[bytes] | None = None
         self._cached: OrderedDict[str, int] = OrderedDict()
         self.shutdown_timeout = 2.0
+        self._specs: dict[str, TensorSpec] | None = None
+        """The tensors of the checkpoint the engine loaded: every update must match them."""
+        self._extension = False
+        """The engine's workers have `WeightsExtension` (set by `start`)."""
 
     @classmethod
     def start(
@@ -180,6 +189,8 @@ class VllmBackend(ModelBackend):
         label = weight_version or f"vllm:{Path(options.model).name}"
         backend = cls(engine, weight_version=label, exit_on_engine_death=server_process)
         backend._reaper = reaper
+        backend._extension = options.engine_args.get("worker_extension_cls", WEIGHTS_EXTENSION) == WEIGHTS_EXTENSION
+        backend._specs = checkpoint_specs(options.model)
         log.info("vLLM engine ready", extra={"model": options.model, "weight_version": label})
         return backend
 
@@ -326,6 +337,60 @@ class VllmBackend(ModelBackend):
 
     def in_flight(self) -> int:
         return len(self._runs)
+
+    # -- weight updates (`servers.model.weights`) ----------------------------------------------
+
+    def weights_unsupported(self) -> str | None:
+        if not self.supports_pause:
+            return "this vLLM release has no pause_generation/resume_generation, which a weight update needs"
+        if not self._extension:
+            return (
+                f"the engine's workers lack gymrpc's {WEIGHTS_EXTENSION} (another worker_extension_cls "
+                "was given), through which weights are loaded"
+            )
+        if self._specs is None:
+            return "the model was not loaded from a local safetensors folder, so new weights cannot be checked"
+        return None
+
+    def weight_specs(self) -> Mapping[str, TensorSpec] | None:
+        return self._specs
+
+    async def stage_weights(self, folder: WeightsFolder) -> Any:
+        try:
+            await self.engine.collective_rpc("gymrpc_stage_weights", args=([str(f) for f in folder.files],))
+        except Exception as exc:
+            await self._drop_staged()
+            raise InvalidArgument(
+                f"vLLM could not read the new weights: {exc}; nothing was loaded", reason="CORRUPT_WEIGHTS"
+            ) from None
+        return folder
+
+    async def apply_weights(self, staged: Any, version: str) -> None:
+        try:
+            await self.engine.collective_rpc("gymrpc_apply_weights")
+        except Exception as exc:
+            # Past validation, a failed in-place load may have replaced some layers: the engine's
+            # weights are unknown now, so it must not go on serving under any version name.
+            log.critical("loading staged weights failed", extra={"error": repr(exc)})
+            self._engine_died(exc)
+            raise Internal(f"vLLM failed to load validated weights: {exc}; the model server restarts") from None
+        await self.set_weight_version(version)
+
+    async def _drop_staged(self) -> None:
+        try:
+            await self.engine.collective_rpc("gymrpc_drop_staged")
+        except Exception as exc:  # best effort: the next stage replaces it anyway
+            log.warning("could not drop staged weights", extra={"error": repr(exc)})
+
+    async def freeze(self) -> None:
+        await self.pause("keep", clear_cache=False)
+
+    async def thaw(self) -> None:
+        await self.resume()
+
+    async def weights_digest(self) -> str:
+        """sha256 of the weights the engine holds (first worker's); for tests and benches."""
+        return str((await self.engine.collective_rpc("gymrpc_weights_digest"))[0])
 
     async def close(self) -> None:
         for run in list(self._runs.values()):
@@ -492,6 +557,18 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=JSON",
         help="any other AsyncEngineArgs field, e.g. gpu_memory_utilization=0.8 (repeatable)",
     )
+
+
+def checkpoint_specs(model: str) -> dict[str, TensorSpec] | None:
+    """Tensors of a local model folder's safetensors files; None for a hub id or another format."""
+    path = Path(model)
+    if not path.is_dir():
+        return None
+    try:
+        return open_folder(path.resolve()).specs()
+    except Exception as exc:
+        log.warning("cannot read the model's safetensors headers; weight updates are off", extra={"error": str(exc)})
+        return None
 
 
 def model_tokenizer_file(model_path: str | None) -> Path | None:

@@ -4,7 +4,7 @@
 
 import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import type { Message } from "@bufbuild/protobuf";
-import type { EpisodeId, FinishReason, Message as Message$1, Task, Timing, TokenTrace, ToolCall, Usage } from "./common_pb.js";
+import type { EpisodeId, FinishReason, Message as Message$1, Task, Timing, TokenTrace, ToolCall, Usage, WeightVersionSpan } from "./common_pb.js";
 import type { Duration } from "@bufbuild/protobuf/wkt";
 
 /**
@@ -319,6 +319,21 @@ export declare type Trajectory = Message<"gymrpc.v1.Trajectory"> & {
    * @generated from field: uint32 failovers = 16;
    */
   failovers: number;
+
+  /**
+   * The first weight version that produced any of the episode's completion
+   * tokens (by span order of its first model call).
+   *
+   * @generated from field: string oldest_weight_version = 17;
+   */
+  oldestWeightVersion: string;
+
+  /**
+   * The last weight version that produced any of its completion tokens.
+   *
+   * @generated from field: string newest_weight_version = 18;
+   */
+  newestWeightVersion: string;
 };
 
 /**
@@ -367,6 +382,13 @@ export declare type ModelCallRecord = Message<"gymrpc.v1.ModelCallRecord"> & {
    * @generated from field: google.protobuf.Duration latency = 5;
    */
   latency?: Duration | undefined;
+
+  /**
+   * Which weights produced which completion tokens (`GenerateResponse`).
+   *
+   * @generated from field: repeated gymrpc.v1.WeightVersionSpan weight_versions = 6;
+   */
+  weightVersions: WeightVersionSpan[];
 };
 
 /**

@@ -4,7 +4,7 @@
 
 import type { GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2";
 import type { Message } from "@bufbuild/protobuf";
-import type { EpisodeId, FinishReason, Message as Message$1, SessionSnapshot, Task, TokenTrace } from "./common_pb.js";
+import type { EpisodeId, FinishReason, Message as Message$1, SessionSnapshot, Task, TokenTrace, WeightVersionSpan } from "./common_pb.js";
 import type { Any } from "@bufbuild/protobuf/wkt";
 
 /**
@@ -274,6 +274,15 @@ export declare type ModelEpisodeRecord = Message<"gymrpc.v1.ModelEpisodeRecord">
    * @generated from field: repeated gymrpc.v1.GenerationCut cuts = 2;
    */
   cuts: GenerationCut[];
+
+  /**
+   * The weights the model server had loaded when it committed; a restore
+   * into a server with other weights refuses (WEIGHT_VERSION_MISMATCH)
+   * unless `RestoreRequest.allow_weight_version_mismatch` is set.
+   *
+   * @generated from field: string loaded_weight_version = 3;
+   */
+  loadedWeightVersion: string;
 };
 
 /**
@@ -329,6 +338,13 @@ export declare type CaptureRow = Message<"gymrpc.v1.CaptureRow"> & {
    * @generated from field: gymrpc.v1.Message message = 6;
    */
   message?: Message$1 | undefined;
+
+  /**
+   * Which weights produced which completion tokens.
+   *
+   * @generated from field: repeated gymrpc.v1.WeightVersionSpan weight_versions = 7;
+   */
+  weightVersions: WeightVersionSpan[];
 };
 
 /**

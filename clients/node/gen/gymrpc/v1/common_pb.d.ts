@@ -380,6 +380,44 @@ export declare type TokenTrace = Message$1<"gymrpc.v1.TokenTrace"> & {
 export declare const TokenTraceSchema: GenMessage<TokenTrace>;
 
 /**
+ * The weights that produced a run of a completion's tokens.
+ *
+ * A generation that straddles a weight update has one span per version,
+ * in token order, together covering every completion token; for example
+ * `iteration:7` for tokens 0..41 and `iteration:8` for 42..97.
+ *
+ * @generated from message gymrpc.v1.WeightVersionSpan
+ */
+export declare type WeightVersionSpan = Message$1<"gymrpc.v1.WeightVersionSpan"> & {
+  /**
+   * The weights' version.
+   *
+   * @generated from field: string weight_version = 1;
+   */
+  weightVersion: string;
+
+  /**
+   * Index of the span's first completion token.
+   *
+   * @generated from field: uint32 first_token = 2;
+   */
+  firstToken: number;
+
+  /**
+   * Index of its last completion token (inclusive).
+   *
+   * @generated from field: uint32 last_token = 3;
+   */
+  lastToken: number;
+};
+
+/**
+ * Describes the message gymrpc.v1.WeightVersionSpan.
+ * Use `create(WeightVersionSpanSchema)` to create a new message.
+ */
+export declare const WeightVersionSpanSchema: GenMessage<WeightVersionSpan>;
+
+/**
  * Token counts of a generation or an episode.
  *
  * @generated from message gymrpc.v1.Usage

@@ -180,6 +180,30 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_OVERLOADED = 21;
    */
   OVERLOADED = 21,
+
+  /**
+   * New weights do not fit the loaded model: a tensor is missing or extra,
+   * or its shape or dtype differs. Nothing was loaded. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_WEIGHTS_MISMATCH = 22;
+   */
+  WEIGHTS_MISMATCH = 22,
+
+  /**
+   * A weights file is unreadable, not a valid safetensors file, or fails its
+   * sha256. Nothing was loaded. Code INVALID_ARGUMENT.
+   *
+   * @generated from enum value: ERROR_REASON_CORRUPT_WEIGHTS = 23;
+   */
+  CORRUPT_WEIGHTS = 23,
+
+  /**
+   * A checkpoint was taken under other weights than the ones loaded now; the
+   * message names both. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_WEIGHT_VERSION_MISMATCH = 24;
+   */
+  WEIGHT_VERSION_MISMATCH = 24,
 }
 
 /**

@@ -4,7 +4,7 @@
 
 import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import type { Message } from "@bufbuild/protobuf";
-import type { EpisodeId, FinishReason, Message as Message$1, SamplingParams, TokenTrace, ToolDefinition, Usage } from "./common_pb.js";
+import type { EpisodeId, FinishReason, Message as Message$1, SamplingParams, TokenTrace, ToolDefinition, Usage, WeightVersionSpan } from "./common_pb.js";
 
 /**
  * Describes the file gymrpc/v1/model_service.proto.
@@ -100,6 +100,15 @@ export declare type GenerateResponse = Message<"gymrpc.v1.GenerateResponse"> & {
    * @generated from field: gymrpc.v1.Usage usage = 5;
    */
   usage?: Usage | undefined;
+
+  /**
+   * Which weights produced which completion tokens; one span unless a
+   * weight update came while the call generated (then `weight_version` is
+   * the last span's).
+   *
+   * @generated from field: repeated gymrpc.v1.WeightVersionSpan weight_versions = 6;
+   */
+  weightVersions: WeightVersionSpan[];
 };
 
 /**

@@ -492,6 +492,22 @@ export declare type CheckpointIndex = Message<"gymrpc.v1.CheckpointIndex"> & {
    * @generated from field: repeated gymrpc.v1.CheckpointIndexMember members = 4;
    */
   members: CheckpointIndexMember[];
+
+  /**
+   * The trainer's own state saved with this checkpoint, so trainer and
+   * stack restore together; unset when none was registered.
+   *
+   * @generated from field: gymrpc.v1.TrainerStateRef trainer_state = 5;
+   */
+  trainerState?: TrainerStateRef | undefined;
+
+  /**
+   * The weight version each model server had loaded, by member name
+   * (`CheckpointIndexMember.name`; several replicas have one version).
+   *
+   * @generated from field: map<string, string> weight_versions = 6;
+   */
+  weightVersions: { [key: string]: string };
 };
 
 /**
@@ -499,6 +515,49 @@ export declare type CheckpointIndex = Message<"gymrpc.v1.CheckpointIndex"> & {
  * Use `create(CheckpointIndexSchema)` to create a new message.
  */
 export declare const CheckpointIndexSchema: GenMessage<CheckpointIndex>;
+
+/**
+ * Where a trainer's state for one checkpoint lies: a folder or a file
+ * (blob) the trainer wrote before the checkpoint was published.
+ *
+ * @generated from message gymrpc.v1.TrainerStateRef
+ */
+export declare type TrainerStateRef = Message<"gymrpc.v1.TrainerStateRef"> & {
+  /**
+   * Absolute path of the folder or file, or a URI the trainer understands.
+   *
+   * @generated from field: string uri = 1;
+   */
+  uri: string;
+
+  /**
+   * Lowercase hex sha256 of the file (a blob), or of the folder's
+   * `MANIFEST` listing when the trainer wrote one; empty when not hashed.
+   *
+   * @generated from field: string sha256 = 2;
+   */
+  sha256: string;
+
+  /**
+   * The trainer's own label (for example `iteration:40`).
+   *
+   * @generated from field: string label = 3;
+   */
+  label: string;
+
+  /**
+   * Size in bytes, when known.
+   *
+   * @generated from field: uint64 size_bytes = 4;
+   */
+  sizeBytes: bigint;
+};
+
+/**
+ * Describes the message gymrpc.v1.TrainerStateRef.
+ * Use `create(TrainerStateRefSchema)` to create a new message.
+ */
+export declare const TrainerStateRefSchema: GenMessage<TrainerStateRef>;
 
 /**
  * One committed member (a replica of a name) of a `CheckpointIndex`.
@@ -666,6 +725,15 @@ export declare type RestoreRequest = Message<"gymrpc.v1.RestoreRequest"> & {
    * @generated from field: string endpoint_id = 7;
    */
   endpointId: string;
+
+  /**
+   * Install records committed under other weights than this participant
+   * has loaded (a model server's `loaded_weight_version`). Without it such
+   * a restore is refused with WEIGHT_VERSION_MISMATCH naming both versions.
+   *
+   * @generated from field: bool allow_weight_version_mismatch = 8;
+   */
+  allowWeightVersionMismatch: boolean;
 };
 
 /**
