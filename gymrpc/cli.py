@@ -194,6 +194,14 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     return ctl.run(args, _run_dir(args))
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from gymrpc.train import command
+
+    if args.train_command == "run":
+        return command.cmd_run(args, _run_dir(args))
+    return int(args.train_func(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gymrpc", description="Crash-surviving agentic rollouts over gRPC.")
     parser.add_argument("--run-dir", help="run folder (default $GYMRPC_RUN_DIR or ./.gymrpc)")
@@ -236,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--run-dir", default=argparse.SUPPRESS)
     add_ctl_arguments(ctl)
     ctl.set_defaults(func=cmd_ctl)
+    from gymrpc.train.command import add_arguments as add_train_arguments
+
+    train = sub.add_parser("train", help="the reference GRPO trainer: init (a weak start), run (train; --resume)")
+    train.add_argument("--run-dir", default=argparse.SUPPRESS)
+    add_train_arguments(train)
+    train.set_defaults(func=cmd_train)
     return parser
 
 

@@ -33,6 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from gymrpc.client import Client
+from gymrpc.control.index import read_index
+from gymrpc.control.trainer_state import TrainerState as StateRef
+from gymrpc.control.trainer_state import read_trainer_state
+from gymrpc.control.types import EpisodeKey
+from gymrpc.controller import CoordinationError, new_checkpoint_id
+from gymrpc.errors import GymrpcError
 from gymrpc.rollouts.checkpointing import CheckpointingRun, CheckpointKeeper, Saved
 from gymrpc.rollouts.collector import EpisodeResult, collect
 from gymrpc.rollouts.tasks import RolloutTask
@@ -131,29 +137,45 @@ class Outcome:
 
 
 class JointCheckpoints(CheckpointingRun):
-    """The collector's checkpoint bookkeeping, publishing the trainer's state with the stack's."""
+    """The collector's checkpoint bookkeeping, with the trainer's state registered in each checkpoint."""
 
     async def joint(self, snapshot: Callable[[], tuple[TrainerState, Callable[[Path], None]]]) -> Saved | None:
-        """Checkpoint every episode in flight; `snapshot()` is taken at the same instant as the scope."""
-        from gymrpc.control.types import EpisodeKey
-        from gymrpc.controller import CoordinationError
-        from gymrpc.errors import GymrpcError
+        """Checkpoint every episode in flight; `snapshot()` is taken at the same instant as the scope.
 
+        The trainer's folder is written first, inside the checkpoint's folder, then registered in
+        the index by the controller's commit; LATEST moves only once both are there.
+        """
         async with self._lock:
             scope = [EpisodeKey(r, a) for r, a in sorted(self.in_flight.items())]
             state, save_policy = snapshot()  # no await in between: nothing finishes unseen
+            checkpoint_id = new_checkpoint_id()
+            trainer = await asyncio.to_thread(write_state, self.keeper.root / checkpoint_id, state, save_policy)
             try:
-                result = await self.controller.checkpoint(self.keeper.root, episode_ids=scope, timeout=self.timeout)
+                result = await self.controller.checkpoint(
+                    self.keeper.root,
+                    episode_ids=scope,
+                    checkpoint_id=checkpoint_id,
+                    timeout=self.timeout,
+                    trainer_state=StateRef(str(trainer), label=f"iteration {state.iteration}"),
+                )
             except (CoordinationError, GymrpcError) as exc:
                 print(f"gymrpc train: checkpoint failed: {exc}", flush=True)
                 return None
             if not result.committed:
                 print("gymrpc train: checkpoint skipped: episodes were not parked in time", flush=True)
                 return None
-            await asyncio.to_thread(write_state, result.checkpoint_dir, state, save_policy)
             saved = self.keeper.publish(result)  # LATEST last: only a whole joint checkpoint is ever named
             self.taken += 1
             return saved
+
+
+def trainer_folder(checkpoint: Path) -> tuple[Path, dict[str, str]]:
+    """The trainer state a joint checkpoint's index registered (checked), and the weights it names."""
+    index = read_index(checkpoint)
+    ref = read_trainer_state(index)
+    if ref is None:
+        raise StateError(f"checkpoint {checkpoint} registers no trainer state: it was not taken by a trainer")
+    return Path(ref.uri), dict(index.weight_versions)
 
 
 class Trainer:
@@ -195,7 +217,13 @@ class Trainer:
             await self.push(state, self.policy.save_weights(self._weights_dir(state.updates)))
             await self.joint.open(False, set())
             return state, None
-        state, folder = await asyncio.to_thread(read_state, saved.folder)
+        folder, served = await asyncio.to_thread(trainer_folder, saved.folder)
+        state = await asyncio.to_thread(read_state, folder)
+        if served.get(self.config.model, state.weight_version) != state.weight_version:
+            raise StateError(
+                f"{saved.folder}: the model server served {served[self.config.model]}, "
+                f"the trainer state holds {state.weight_version}"
+            )
         if state.config != self.config.compatible():
             raise StateError(f"{saved.folder} was saved by a run with {state.config}, not {self.config.compatible()}")
         if state.cursor.size != len(self.tasks):

@@ -15,7 +15,6 @@ torch and transformers are imported inside the functions: they are in `.venv-vll
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from collections.abc import Sequence
@@ -106,17 +105,18 @@ class Policy:
             trained[row, :length] = torch.tensor(seq.trained)
             old[row, :length] = torch.tensor(seq.old_logprobs)
             advantage[row, 0] = adv
-        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-        new = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        mask = trained[:, 1:]
-        old = old[:, 1:]
+        where = trained[:, 1:]
+        logits = token_logits(self.model, ids, attention, where)
+        new = logits.log_softmax(-1).gather(-1, ids[:, 1:][where].unsqueeze(-1)).squeeze(-1)
+        old = old[:, 1:][where]
         old = torch.where(torch.isnan(old), new.detach(), old)  # no sampled logprob: on-policy (ratio 1)
+        adv = advantage.expand(-1, where.shape[1])[where]
         ratio = torch.exp(new - old)
         low, high = 1.0 - self.hyper.clip_low, 1.0 + self.hyper.clip_high
-        surrogate = torch.minimum(ratio * advantage, ratio.clamp(low, high) * advantage)
-        loss = -(surrogate * mask).sum()
-        n_clipped = int((((ratio < low) | (ratio > high)) & mask).sum())
-        kl_sum = float(((old - new.detach()) * mask).sum())
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+        loss = -surrogate.sum()
+        n_clipped = int(((ratio < low) | (ratio > high)).sum())
+        kl_sum = float((old - new.detach()).sum())
         return loss, n_clipped, kl_sum
 
     @property
@@ -163,6 +163,17 @@ class Policy:
         torch.set_rng_state(saved["rng"])
 
 
+def token_logits(model: Any, ids: Any, attention: Any, where: Any) -> Any:
+    """Logits predicting token i+1 at every position i where `where[:, i]` (shape ids[:, 1:]), as float.
+
+    Only those positions go through the output layer: with a 2,048-token vocabulary and most of
+    each sequence a prompt, the output layer and its softmax would otherwise cost more than
+    the whole transformer body.
+    """
+    hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state[:, :-1]
+    return model.lm_head(hidden[where]).float()
+
+
 def _fsync_tree(folder: Path) -> None:
     for path in sorted(folder.rglob("*")):
         if path.is_file():
@@ -178,7 +189,3 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def finite(value: float) -> float:
-    return value if math.isfinite(value) else float("nan")

@@ -42,7 +42,7 @@ class Sample:
     reward: float
     sequences: tuple[TokenSequence, ...]
     versions: tuple[str, ...] = ()
-    """The weight versions of its model calls, in order (each call's `weight_version`)."""
+    """The weight versions that produced its tokens, in order (every span of every model call)."""
     advantage: float = 0.0
 
     @property
@@ -87,7 +87,11 @@ def sample_of(episode_id: str, group: str, trajectory: agent_pb.Trajectory) -> S
         group,
         float(trajectory.reward),
         sequences_of(trajectory),
-        tuple(c.weight_version for c in trajectory.model_calls),
+        tuple(
+            v
+            for c in trajectory.model_calls
+            for v in [s.weight_version for s in c.weight_versions] or [c.weight_version]
+        ),
     )
 
 

@@ -7,9 +7,13 @@ by `gymrpc.Controller`), `collector.json` (which episodes were in flight), and `
     trainer/finished.jsonl  episodes of the batch in flight that had already finished (their trajectories)
     trainer/weights/        the trainer's weights (safetensors), the ones the model server was serving
     trainer/optimizer.pt    optimizer moments and the torch RNG
+    trainer/MANIFEST        every other file with its sha256
 
-`trainer/` is written to a temporary name and renamed, before the checkpoint is published
-(LATEST), so a published checkpoint always has a whole trainer state. The episodes that had
+`trainer/` is written (to a temporary name, then renamed) before the checkpoint is asked for,
+and registered in the checkpoint's index (`Controller.checkpoint(trainer_state=...)`), which
+records the MANIFEST's sha256: a restore finds it through the index and refuses a copy that
+changed since (`gymrpc.control.trainer_state.read_trainer_state`, then `read_state` checks
+every file against the MANIFEST). The episodes that had
 finished are in the state and the ones still running are in the stack's checkpoint: a resumed
 batch counts each episode exactly once.
 """
@@ -17,6 +21,7 @@ batch counts each episode exactly once.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gymrpc.control.trainer_state import FOLDER_MANIFEST
 from gymrpc.train.cursor import DataCursor
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 
@@ -160,6 +166,7 @@ def write_state(checkpoint_dir: Path, state: TrainerState, save_policy: Callable
     finished = state.batch.finished.values() if state.batch is not None else ()
     _write(tmp / FINISHED_FILE, "".join(json.dumps(f.to_json()) + "\n" for f in finished))
     _write(tmp / STATE_FILE, json.dumps(state.to_json(), indent=1) + "\n")
+    _write(tmp / FOLDER_MANIFEST, "".join(f"{digest}  {name}\n" for name, digest in _digests(tmp)))
     if final.exists():  # a retried write of the same checkpoint
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -167,19 +174,35 @@ def write_state(checkpoint_dir: Path, state: TrainerState, save_policy: Callable
     return final
 
 
-def read_state(checkpoint_dir: Path) -> tuple[TrainerState, Path]:
-    """The state in `checkpoint_dir/trainer/` and that folder (for the policy's files)."""
-    folder = checkpoint_dir / TRAINER_DIR
-    path = folder / STATE_FILE
+def read_state(folder: Path) -> TrainerState:
+    """The state in a trainer folder (`write_state`'s), every file checked against its MANIFEST."""
     try:
-        data = json.loads(path.read_text())
-        lines = (folder / FINISHED_FILE).read_text().splitlines()
-        finished = [Finished.from_json(json.loads(line)) for line in lines if line.strip()]
-        return TrainerState.from_json(data, finished), folder
+        lines = (folder / FOLDER_MANIFEST).read_text().splitlines()
+        listed = {name: digest for digest, name in (line.split("  ", 1) for line in lines if line)}
+        present = dict(_digests(folder))
+        if listed != present:
+            changed = sorted(set(listed.items()) ^ set(present.items()))
+            raise StateError(f"{folder}: files differ from its {FOLDER_MANIFEST}: {[name for name, _ in changed]}")
+        data = json.loads((folder / STATE_FILE).read_text())
+        rows = (folder / FINISHED_FILE).read_text().splitlines()
+        finished = [Finished.from_json(json.loads(row)) for row in rows if row.strip()]
+        return TrainerState.from_json(data, finished)
     except FileNotFoundError as exc:
-        raise StateError(f"{exc.filename} is missing: {checkpoint_dir} holds no whole trainer state") from None
+        raise StateError(f"{exc.filename} is missing: {folder} is not a whole trainer state") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise StateError(f"{path}: not a trainer state: {exc}") from None
+        if isinstance(exc, StateError):
+            raise
+        raise StateError(f"{folder / STATE_FILE}: not a trainer state: {exc}") from None
+
+
+def _digests(folder: Path) -> list[tuple[str, str]]:
+    """(relative path, sha256) of every file under `folder` but the MANIFEST, in path order."""
+    out = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        if name != FOLDER_MANIFEST:
+            out.append((name, hashlib.sha256(path.read_bytes()).hexdigest()))
+    return out
 
 
 def _write(path: Path, text: str) -> None:
