@@ -182,7 +182,7 @@ def read_state(folder: Path) -> TrainerState:
         present = dict(_digests(folder))
         if listed != present:
             changed = sorted(set(listed.items()) ^ set(present.items()))
-            raise StateError(f"{folder}: files differ from its {FOLDER_MANIFEST}: {[name for name, _ in changed]}")
+            raise StateError(f"{folder}: files differ from its {FOLDER_MANIFEST}: {sorted({n for n, _ in changed})}")
         data = json.loads((folder / STATE_FILE).read_text())
         rows = (folder / FINISHED_FILE).read_text().splitlines()
         finished = [Finished.from_json(json.loads(row)) for row in rows if row.strip()]

@@ -184,8 +184,7 @@ def test_state_round_trips_through_a_checkpoint_folder(tmp_path: Path) -> None:
     assert folder == tmp_path / TRAINER_DIR
     assert (folder / "optimizer.pt").read_bytes() == b"moments"
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # the temporary name is gone
-    loaded, where = read_state(tmp_path)
-    assert where == folder
+    loaded = read_state(folder)
     assert loaded.to_json() == state.to_json()
     assert loaded.batch is not None
     assert state.batch is not None
@@ -208,15 +207,16 @@ def test_an_episode_is_never_counted_twice_in_a_batch() -> None:
     assert batch.complete
 
 
-def test_a_torn_or_foreign_state_folder_is_refused(tmp_path: Path) -> None:
+def test_a_torn_changed_or_foreign_state_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StateError, match="missing"):
         read_state(tmp_path)
-    write_state(tmp_path, state_with_batch(), lambda folder: None)
-    path = tmp_path / TRAINER_DIR / STATE_FILE
+    folder = write_state(tmp_path, state_with_batch(), lambda folder: (folder / "optimizer.pt").write_bytes(b"m"))
+    (folder / "optimizer.pt").write_bytes(b"changed after the checkpoint")
+    with pytest.raises(StateError, match=r"differ from its MANIFEST: \['optimizer.pt'\]"):
+        read_state(folder)
+    folder = write_state(tmp_path, state_with_batch(), lambda folder: None)
+    path = folder / STATE_FILE
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "schema": 99}))
-    with pytest.raises(StateError, match="schema 99"):
-        read_state(tmp_path)
-    path.write_text("{not json")
-    with pytest.raises(StateError, match="not a trainer state"):
-        read_state(tmp_path)
+    with pytest.raises(StateError, match="MANIFEST"):  # any edit shows
+        read_state(folder)
