@@ -362,8 +362,7 @@ class Trainer:
                         outcome.checkpoints.append(saved.checkpoint_id)
                         self.progress.line(
                             f"checkpoint {saved.checkpoint_id}: iteration {state.iteration}, "
-                            f"weights {state.weight_version}, {len(saved.continued)} episodes in flight, "
-                            f"{len(following.finished)} finished"
+                            f"weights {state.weight_version}, {len(saved.continued)} episodes continued from it"
                         )
         finally:
             if not collecting.done():

@@ -94,7 +94,7 @@ class WeakStart:
 
     correct: float = 0.4
     steps: int = 100
-    lr: float = 1e-2
+    lr: float = 3e-3
     tasks: int = 1
     """The first `tasks` rows of the counter's example tasks (more tasks take many more steps to tell apart)."""
     seed: int = 0
