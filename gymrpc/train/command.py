@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--tasks-per-batch", type=_positive, default=5, help="tasks per batch (default %(default)s)")
     run.add_argument("--group-size", type=_positive, default=8, help="episodes per task, G (default %(default)s)")
     run.add_argument("--concurrency", type=_positive, default=64, help="episodes at once (default %(default)s)")
-    run.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default %(default)s)")
+    run.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default %(default)s)")
     run.add_argument("--clip-low", type=float, default=0.2)
     run.add_argument("--clip-high", type=float, default=0.28)
     run.add_argument("--temperature", type=float, default=1.0)

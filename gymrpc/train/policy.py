@@ -40,7 +40,9 @@ class StepStats:
 
 @dataclass(frozen=True)
 class Hyper:
-    lr: float = 3e-3
+    lr: float = 3e-4
+    """Measured on the weak start: 3e-3 wrecks it in one step (Adam's first steps move every weight
+    by about lr, the format's included); 3e-4 goes 0.125 -> 1.0 in five iterations of 8 episodes."""
     clip_low: float = 0.2
     clip_high: float = 0.28
     max_grad_norm: float = 1.0
