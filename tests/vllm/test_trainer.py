@@ -26,7 +26,7 @@ import yaml
 
 from tests.vllm.helpers import ROOT, VllmStack, alive, descendants
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # engines start slowly on a busy CPU
 
 TARGET = 0.9
 START = 0.3
