@@ -220,3 +220,12 @@ def test_a_torn_changed_or_foreign_state_folder_is_refused(tmp_path: Path) -> No
     path.write_text(json.dumps({**data, "schema": 99}))
     with pytest.raises(StateError, match="MANIFEST"):  # any edit shows
         read_state(folder)
+
+
+def test_a_call_that_straddled_an_update_counts_from_its_oldest_span() -> None:
+    straddling = call(0, [1], [2, 3, 4], version="grpo:5")
+    straddling.weight_versions.add(weight_version="grpo:4", first_token=0, last_token=1)
+    straddling.weight_versions.add(weight_version="grpo:5", first_token=2, last_token=2)
+    sample = sample_of("e", "g", trajectory(straddling))
+    assert sample.versions == ("grpo:4", "grpo:5")
+    assert lag(sample, 5, "grpo") == 1
