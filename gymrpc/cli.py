@@ -221,6 +221,14 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     return ctl.run(args, _run_dir(args))
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from gymrpc.train import command
+
+    if args.train_command == "run":
+        return command.cmd_run(args, _run_dir(args))
+    return int(args.train_func(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gymrpc", description="Crash-surviving agentic rollouts over gRPC.")
     parser.add_argument("--run-dir", help="run folder (default $GYMRPC_RUN_DIR or ./.gymrpc)")
@@ -278,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--run-dir", default=argparse.SUPPRESS)
     add_top_arguments(top)
     top.set_defaults(func=cmd_top)
+    from gymrpc.train.command import add_arguments as add_train_arguments
+
+    train = sub.add_parser("train", help="the reference GRPO trainer: init (a weak start), run (train; --resume)")
+    train.add_argument("--run-dir", default=argparse.SUPPRESS)
+    add_train_arguments(train)
+    train.set_defaults(func=cmd_train)
     return parser
 
 

@@ -33,7 +33,7 @@ PROJECT_STAMP="$VENV/.gymrpc-vllm-project"
 PROJECT_WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$PROJECT_STAMP" ] || [ "$(cat "$PROJECT_STAMP")" != "$PROJECT_WANT" ]; then
   echo "installing gymrpc and its dev tools into $VENV" >&2
-  "${PIP[@]}" install --quiet -e "$ROOT[dev]"
+  "${PIP[@]}" install --quiet -e "$ROOT[dev,train]"  # train: matplotlib, for gymrpc train's reward curve
   # The project's dependencies must not have replaced vLLM's torch (the CPU build it was made for).
   "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else f"torch is {torch.__version__}")'
   echo "$PROJECT_WANT" > "$PROJECT_STAMP"

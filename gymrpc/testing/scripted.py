@@ -30,8 +30,8 @@ def counter_rows() -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def counter_examples(rows: Sequence[Mapping[str, Any]]) -> list[Example]:
-    """One training sequence per task row: the whole episode the counter solver plays."""
+def counter_examples(rows: Sequence[Mapping[str, Any]], solver: Any = None) -> list[Example]:
+    """One training sequence per task row: the whole episode `solver` plays (default: `CounterSolver`)."""
     from envs.counter import CounterEnvironment
     from gymrpc.chat import ChatTemplate, default_tokenizer, parse_reply
     from gymrpc.messages import message_from_dict, task_from_row, task_spec
@@ -43,7 +43,7 @@ def counter_examples(rows: Sequence[Mapping[str, Any]]) -> list[Example]:
 
     tokenizer = default_tokenizer()
     template = ChatTemplate(tokenizer)
-    solver = CounterSolver()
+    solver = CounterSolver() if solver is None else solver
     examples = []
     for index, row in enumerate(rows):
         task = task_from_row(row, str(index))
