@@ -7,8 +7,9 @@ from a real `CounterEnvironment` session. Loss is on the completions only. Becau
 template is prefix-stable, one episode is one sequence: the last prompt plus its completion
 contains every earlier prompt and completion.
 
-Lives in `gymrpc.testing` but imports `servers` and `envs` (same distribution): it is test
-support, not library code.
+Lives in `gymrpc.testing` and imports `gymrpc.servers` and `gymrpc.envs` lazily, inside the
+functions that need them: test support, not library code, and importing `gymrpc.testing` pulls in
+no server or environment.
 """
 
 from __future__ import annotations
