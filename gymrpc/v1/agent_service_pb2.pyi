@@ -331,7 +331,8 @@ class Trajectory(_message.Message):
     session_recoveries: _builtins.int
     """Times the agent lost the episode's resources session (its resources
     server restarted) and went back to the episode's last durable checkpoint
-    to continue (durable resume only), in the processes that ran it since.
+    to continue (durable resume only), counted by the agent process that
+    finished the episode (not kept across a crash of the agent itself).
     """
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:

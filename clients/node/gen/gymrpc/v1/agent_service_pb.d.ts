@@ -338,7 +338,8 @@ export declare type Trajectory = Message<"gymrpc.v1.Trajectory"> & {
   /**
    * Times the agent lost the episode's resources session (its resources
    * server restarted) and went back to the episode's last durable checkpoint
-   * to continue (durable resume only), in the processes that ran it since.
+   * to continue (durable resume only), counted by the agent process that
+   * finished the episode (not kept across a crash of the agent itself).
    *
    * @generated from field: uint32 session_recoveries = 19;
    */
