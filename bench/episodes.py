@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # runnable as `python bench/episodes.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-import envs.counter  # noqa: E402
+import gymrpc.envs.counter  # noqa: E402
 from gymrpc.client import Client  # noqa: E402
 from gymrpc.launch.local import LocalLauncher  # noqa: E402
 from gymrpc.launch.spec import parse_stack_spec  # noqa: E402
@@ -100,7 +100,7 @@ async def bench(levels: list[int], episodes: int, rounds: int, run_dir: Path) ->
     try:
         states = {s.name: s for s in launcher.server_states()}
         pids = {label: states[name].pid or 0 for label, name in SERVERS.items()}
-        base = load_tasks(envs.counter.example_tasks_path())
+        base = load_tasks(gymrpc.envs.counter.example_tasks_path())
         out: dict[str, Any] = {}
         async with Client(run_dir=run_dir) as client:
             for c in levels:

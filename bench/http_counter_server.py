@@ -1,7 +1,7 @@
 """HTTP/JSON twin of `ResourcesService.SeedSession`/`CallTool` for the benchmark (FastAPI + uvicorn).
 
 The reference system's stack: FastAPI routes with pydantic models, served by uvicorn
-(uvloop + httptools by default). The routes do the same work as `servers.resources`:
+(uvloop + httptools by default). The routes do the same work as `gymrpc.servers.resources`:
 the same id checks, the same argument decoding and the same `SessionHost` running the
 counter environment in its thread pool. Run by `bench/unary_rpc.py`:
 
@@ -24,13 +24,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from envs.counter import CounterEnvironment
 from gymrpc.envkit import TaskSpec
+from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.errors import GymrpcError, InvalidArgument
 from gymrpc.ids import check_id
 from gymrpc.messages import parse_json_object
 from gymrpc.rundir import write_text_atomic
-from servers.resources.sessions import EpisodeKey, SessionHost
+from gymrpc.servers.resources.sessions import EpisodeKey, SessionHost
 
 
 class EpisodeIdBody(BaseModel):
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--ready-file", type=Path, required=True)
     parser.add_argument("--loop", default="uvloop", choices=["uvloop", "asyncio"])
     parser.add_argument("--http", default="httptools", choices=["httptools", "h11"])
-    parser.add_argument("--workers", type=int, default=8, help="environment threads (as servers.resources)")
+    parser.add_argument("--workers", type=int, default=8, help="environment threads (as gymrpc.servers.resources)")
     args = parser.parse_args()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

@@ -1,6 +1,6 @@
 """The model role's OpenAI front door against `ModelService.Generate`, and replay against regeneration.
 
-One real model server (`python -m servers.model`, scripted backend, `--openai-port`) in a
+One real model server (`python -m gymrpc.servers.model`, scripted backend, `--openai-port`) in a
 subprocess serves both paths from the same servicer and backend; every client runs here.
 
 1. Per-call cost: the same one-turn conversation, sequential calls, through
@@ -58,7 +58,7 @@ def free_port() -> int:
 def start_model(folder: Path, token_delay: float) -> tuple[subprocess.Popen[bytes], str, str]:
     ready, port = folder / "ready.json", free_port()
     argv = [
-        sys.executable, "-m", "servers.model", "--fallback", REPLY, "--openai-port", str(port),
+        sys.executable, "-m", "gymrpc.servers.model", "--fallback", REPLY, "--openai-port", str(port),
         "--replay-dir", str(folder / "replay"), "--ready-file", str(ready), "--token-delay", str(token_delay),
         "--no-participant", "--log-level", "warning",
     ]  # fmt: skip

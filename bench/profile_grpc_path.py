@@ -1,7 +1,7 @@
 """Where one unary gRPC call spends its time on gymrpc's own path.
 
 1. In-process wrapper costs, no network: `gymrpc.Client`'s NamedStub over a fake transport
-   against calling the transport directly; `servers.guard` around a servicer method against
+   against calling the transport directly; `gymrpc.servers.guard` around a servicer method against
    the bare method; the `SessionHost` thread-pool hop against an inline call.
 2. Server CPU per call split by thread (/proc), gRPC resources server against the FastAPI twin.
 3. cProfile of the bench (client) process driving `CallTool` through the raw grpc.aio stub
@@ -35,12 +35,12 @@ from typing import Any
 
 from unary_rpc import CLK_TCK, GRPC, HTTP, ROLLOUT, SEED_ENV, SERVICE_NAME, Clients, Stack, grpc_request
 
-from envs.counter import CounterEnvironment
 from gymrpc.client import Client
+from gymrpc.envs.counter import CounterEnvironment
+from gymrpc.servers.guard import guard_servicer
+from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
-from servers.guard import guard_servicer
-from servers.resources.service import ResourcesServicer
 
 ROOT = Path(__file__).resolve().parent.parent
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ResourcesService"]

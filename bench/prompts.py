@@ -5,7 +5,7 @@ sees them: the workplace system prompt and its 26 tool schemas, the task, then p
 assistant tool call and a tool response of `--response-chars` characters (a table excerpt,
 as workplace tools return). Every call renders and tokenises the whole prompt, once with
 the plain `ChatTemplate` (what the server did before) and once through
-`servers.model.prompts.PromptTokenizer` (pieces of the previous call reused when their text
+`gymrpc.servers.model.prompts.PromptTokenizer` (pieces of the previous call reused when their text
 is byte-identical). Episodes alternate the two, so machine load hits both alike; the
 figure is process CPU per episode (the median over `--episodes`), and the two renders are
 checked to be identical.
@@ -26,9 +26,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from envs.workplace_assistant._data import load_tool_specs  # noqa: E402
 from gymrpc.chat import ChatTemplate, default_tokenizer  # noqa: E402
-from servers.model.prompts import PromptTokenizer  # noqa: E402
+from gymrpc.envs.workplace_assistant._data import load_tool_specs  # noqa: E402
+from gymrpc.servers.model.prompts import PromptTokenizer  # noqa: E402
 
 SYSTEM = (
     "Today's date is Thursday, 2023-11-30 and the current time is 23:59:00. Remember the current date and time "

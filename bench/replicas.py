@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # runnable as `python bench/replicas.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-import envs.counter  # noqa: E402
+import gymrpc.envs.counter  # noqa: E402
 from gymrpc.balancing import Balancer, affinity_key  # noqa: E402
 from gymrpc.client import Client  # noqa: E402
 from gymrpc.launch.ray import RayLauncher  # noqa: E402
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per level; the median is shown")
     parser.add_argument("--json", type=Path, help="write all results here")
     args = parser.parse_args(argv)
-    base = load_tasks(envs.counter.example_tasks_path())
+    base = load_tasks(gymrpc.envs.counter.example_tasks_path())
     levels = [int(r) for r in args.replicas.split(",")]
     print(
         f"episodes through Ray-launched replicas (scripted model, counter, concurrency {args.concurrency}); "

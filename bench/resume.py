@@ -51,7 +51,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def tasks() -> list[common_pb2.Task]:
-    from envs.counter import example_tasks_path
+    from gymrpc.envs.counter import example_tasks_path
 
     rows = [json.loads(line) for line in example_tasks_path().read_text().splitlines() if line.strip()]
     return [task_from_row(row, str(i)) for i, row in enumerate(rows)]

@@ -48,9 +48,9 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from envs.workplace_assistant import WorkplaceEnvironment, WorkplaceSession
-from envs.workplace_assistant._data import seed_blocks, seed_frames
 from gymrpc.envkit import TaskSpec
+from gymrpc.envs.workplace_assistant import WorkplaceEnvironment, WorkplaceSession
+from gymrpc.envs.workplace_assistant._data import seed_blocks, seed_frames
 from gymrpc.snapshots import (
     SessionTables,
     collect,

@@ -200,7 +200,7 @@ class Stack:
 
         registry = spawn(
             "registry",
-            [py, "-m", "servers.registry", "--bind", f"unix:{folder / 'registry.sock'}",
+            [py, "-m", "gymrpc.servers.registry", "--bind", f"unix:{folder / 'registry.sock'}",
              "--ready-file", str(folder / "registry.json"), "--grace", "1"],
             folder / "registry.json", env,
         )  # fmt: skip
@@ -208,19 +208,19 @@ class Stack:
         try:
             profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
             ready = folder / "resources.json"
-            launcher = [py, *profiler, "-m", "servers.resources"]
+            launcher = [py, *profiler, "-m", "gymrpc.servers.resources"]
             started.append(spawn("resources", resources(SERVICE_NAME, ready, launcher), ready, env))
             ready = folder / "http.json"
             http = [py, str(ROOT / "bench" / "http_counter_server.py"), "--ready-file", str(ready),
                     "--loop", http_loop, "--http", http_parser]  # fmt: skip
             started.append(spawn("fastapi", http, ready, env))
             ready = folder / "open.json"
-            started.append(spawn("open", [*resources(OPEN_NAME, ready, [py, "-m", "servers.resources"]),
+            started.append(spawn("open", [*resources(OPEN_NAME, ready, [py, "-m", "gymrpc.servers.resources"]),
                                           "--no-data-plane-credentials"], ready, env))  # fmt: skip
             pki = create_stack_pki(folder / "tls", [TLS_NAME], ["127.0.0.1", "localhost"])
             files = pki.servers[TLS_NAME]
             ready = folder / "tls-server.json"  # not tls.json: that would make the folder a TLS run folder
-            tls_server = [py, "-m", "servers.resources", "--environment", "counter", "--name", TLS_NAME,
+            tls_server = [py, "-m", "gymrpc.servers.resources", "--environment", "counter", "--name", TLS_NAME,
                           "--ready-file", str(ready), "--grace", "1", "--tls-cert", str(files.cert),
                           "--tls-key", str(files.key), "--tls-ca", str(files.ca)]  # fmt: skip
             started.append(spawn("tls", tls_server, ready, env))  # not registered: the registry is plaintext

@@ -39,15 +39,15 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from envs.counter import CounterEnvironment  # noqa: E402
 from gymrpc.chat import default_tokenizer  # noqa: E402
 from gymrpc.control import ControlPlane  # noqa: E402
+from gymrpc.envs.counter import CounterEnvironment  # noqa: E402
 from gymrpc.messages import task_from_row, task_spec  # noqa: E402
+from gymrpc.servers.model.backends.openai import OpenAIBackend  # noqa: E402
+from gymrpc.servers.model.participant import ModelParticipant  # noqa: E402
+from gymrpc.servers.model.service import ModelServicer  # noqa: E402
 from gymrpc.v1 import common_pb2  # noqa: E402
 from gymrpc.v1 import model_service_pb2 as pb  # noqa: E402
-from servers.model.backends.openai import OpenAIBackend  # noqa: E402
-from servers.model.participant import ModelParticipant  # noqa: E402
-from servers.model.service import ModelServicer  # noqa: E402
 
 ROWS = [json.loads(line) for line in (ROOT / "envs/counter/data/example.jsonl").read_text().splitlines() if line]
 

@@ -1,11 +1,11 @@
-"""`python -m servers.resources` with bench-only patches, to measure candidate changes A/B.
+"""`python -m gymrpc.servers.resources` with bench-only patches, to measure candidate changes A/B.
 
-    python bench/variant_resources_server.py --patch inline-env --patch uvloop -- <servers.resources args>
+    python bench/variant_resources_server.py --patch inline-env --patch uvloop -- <gymrpc.servers.resources args>
 
 Patches (none touch the files; they replace attributes in this process only):
   inline-env  `SessionHost.run` calls environment code on the event loop instead of its thread pool
   uvloop      the server's event loop is uvloop instead of asyncio's default loop
-  no-guard    `start_server` adds servicers without `servers.guard` (no token check, no error mapping)
+  no-guard    `start_server` adds servicers without `gymrpc.servers.guard` (no token check, no error mapping)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ PATCHES = ("inline-env", "uvloop", "no-guard", "metrics")
 
 def apply(patches: list[str]) -> None:
     if "inline-env" in patches:
-        from servers.resources.sessions import SessionHost
+        from gymrpc.servers.resources.sessions import SessionHost
 
         async def run_inline(self: SessionHost, fn: Callable[..., Any], *args: Any) -> Any:
             return fn(*args)
@@ -33,20 +33,20 @@ def apply(patches: list[str]) -> None:
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     if "no-guard" in patches:
-        import servers.bootstrap
+        import gymrpc.servers.bootstrap
 
-        servers.bootstrap.guard_servicer = lambda servicer, service, **_: servicer  # type: ignore[assignment]
+        gymrpc.servers.bootstrap.guard_servicer = lambda servicer, service, **_: servicer  # type: ignore[assignment]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--patch", action="append", choices=PATCHES, default=[])
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m servers.resources")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m gymrpc.servers.resources")
     args = parser.parse_args()
     apply(args.patch)
-    from servers.resources.__main__ import main as resources_main
+    from gymrpc.servers.resources.__main__ import main as resources_main
 
-    sys.argv = ["servers.resources", *(a for a in args.rest if a != "--")]
+    sys.argv = ["gymrpc.servers.resources", *(a for a in args.rest if a != "--")]
     if "metrics" in args.patch:
         sys.argv += ["--metrics-port", "0"]
     resources_main()

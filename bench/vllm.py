@@ -148,8 +148,8 @@ def _stack_row(r: dict[str, Any]) -> str:
 
 
 async def cut_bench(model: Path, tokens: int, cuts: list[int], rounds: int) -> list[dict[str, Any]]:
-    from servers.model.backends.base import Sampling
-    from servers.model.backends.vllm import VllmBackend, VllmOptions
+    from gymrpc.servers.model.backends.base import Sampling
+    from gymrpc.servers.model.backends.vllm import VllmBackend, VllmOptions
 
     tokenizer = default_tokenizer()
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "", "parameters": {}}}]

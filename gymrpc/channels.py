@@ -39,7 +39,7 @@ def server_options() -> list[tuple[str, Any]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         # gRPC core cancels calls that wait for the application beyond a soft limit of 1,000
         # (randomly, up to all beyond 3,000), with a bare CANCELLED. Let them queue instead:
-        # the guard's in-flight limit (servers.guard.Admission) is the one that pushes back.
+        # the guard's in-flight limit (gymrpc.servers.guard.Admission) is the one that pushes back.
         ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
         ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     ]

@@ -389,7 +389,7 @@ class NamedStub:
         self._client, self._name, self._stub_class = client, name, stub_class
         self._endpoint_id = endpoint_id
         # Every call carries the credential: control calls need the stack token, data-plane calls
-        # the stack token or a role token the service admits (servers.credentials).
+        # the stack token or a role token the service admits (gymrpc.servers.credentials).
         self._metadata = client._metadata
         for method in service.methods:
             wrap = self._stream if method.server_streaming else self._unary

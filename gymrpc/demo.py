@@ -141,8 +141,8 @@ class _Kill:
 
 
 async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
-    import envs.blackjack
-    import envs.counter
+    import gymrpc.envs.blackjack
+    import gymrpc.envs.counter
     from gymrpc.client import Client
     from gymrpc.launch.local import LocalLauncher
     from gymrpc.launch.spec import load_stack_spec, with_vllm_model
@@ -162,7 +162,10 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
         say(f"{len(launcher.server_states())} servers serving in {time.perf_counter() - started:.1f} s:")
         for s in launcher.server_states():
             say(f"  {s.name:<20} {s.address}  (pid {s.pid})")
-        paths = {"counter": envs.counter.example_tasks_path(), "blackjack": envs.blackjack.example_tasks_path()}
+        paths = {
+            "counter": gymrpc.envs.counter.example_tasks_path(),
+            "blackjack": gymrpc.envs.blackjack.example_tasks_path(),
+        }
         tasks = {env: load_tasks(paths[env], prefix=env) for env in ENVS}
         total = sum(len(t) for t in tasks.values()) * args.repeats
         plan = ", ".join(f"{env} {len(t)} tasks x {args.repeats}" for env, t in tasks.items())

@@ -1,1 +1,1 @@
-"""gymrpc servers: one package per role, all started through `servers.bootstrap`."""
+"""gymrpc servers: one package per role, all started through `gymrpc.servers.bootstrap`."""

@@ -2,8 +2,8 @@
 
 `start_server` binds (port 0, a fixed port, or a unix socket guarded by a lock
 file; TLS with `--tls-*`, plaintext beyond loopback only with `--insecure`), adds
-health and reflection, checks data-plane credentials (`servers.credentials`), wraps
-every servicer with the control-token check and error mapping (`servers.guard`), and
+health and reflection, checks data-plane credentials (`gymrpc.servers.credentials`), wraps
+every servicer with the control-token check and error mapping (`gymrpc.servers.guard`), and
 registers the address it actually got under its stable name. `serve` runs until
 SIGTERM/SIGINT and then stops gracefully: deregister, health NOT_SERVING, drain
 in-flight calls for `grace` seconds, run the role's own teardown.
@@ -37,10 +37,10 @@ from gymrpc.errors import NotFound, Unavailable
 from gymrpc.ids import check_endpoint_id, check_service_name
 from gymrpc.registry import NameLease, RegistryClient
 from gymrpc.rundir import write_text_atomic
+from gymrpc.servers.credentials import DataPlaneCredentials
+from gymrpc.servers.guard import DEFAULT_MAX_INFLIGHT_CALLS, Admission, SafeDecoding, guard_servicer
+from gymrpc.servers.metrics import ServerMetrics
 from gymrpc.tls import TlsFiles, is_loopback_bind
-from servers.credentials import DataPlaneCredentials
-from servers.guard import DEFAULT_MAX_INFLIGHT_CALLS, Admission, SafeDecoding, guard_servicer
-from servers.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ServerConfig:
     """Allow plaintext on a non-loopback address (refused otherwise: docs/security.md)."""
     data_plane_credentials: bool = True
     """With a token, data-plane calls need the stack token or an admitted role token
-    (`servers.credentials`); False opens the data plane (benchmarks)."""
+    (`gymrpc.servers.credentials`); False opens the data plane (benchmarks)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics over HTTP on this port of the bind host (0: a free one); None: off."""
     lease_file: Path | None = None

@@ -1,6 +1,6 @@
 """Data-plane credentials: a server interceptor that lets a data-plane call in only with a token.
 
-Control calls (ParticipantService, the registry's writes) are checked by `servers.guard`
+Control calls (ParticipantService, the registry's writes) are checked by `gymrpc.servers.guard`
 against the stack token alone. Data-plane services take the stack token or the token of
 a role allowed to call them (`gymrpc.auth.role_token`): agents may call resources and
 model servers, trainers may call agents. A missing or unknown token is UNAUTHENTICATED;

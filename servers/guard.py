@@ -2,7 +2,7 @@
 
 Wrapping the servicer (instead of a server interceptor) keeps the per-call path to
 one extra coroutine frame. Data-plane credentials are checked before this, by the one
-interceptor of `servers.credentials` (its cost, about nothing, is in bench/README.md).
+interceptor of `gymrpc.servers.credentials` (its cost, about nothing, is in bench/README.md).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from gymrpc import auth
 from gymrpc.errors import GymrpcError, Internal, InvalidArgument, ResourceExhausted, Unauthenticated
-from servers.metrics import ServerMetrics
+from gymrpc.servers.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of one server process, served over HTTP on their own port (off unless asked for).
 
-Everything is observed at the RPC boundary (`servers.guard` calls `observe`), so the roles carry no
+Everything is observed at the RPC boundary (`gymrpc.servers.guard` calls `observe`), so the roles carry no
 metrics code of their own: an agent's `Run` reply says how the episode ended, a model's `Generate`
 reply carries its token counts and weight version, a participant's `Commit` reply its manifest.
 Label sets stay bounded: methods, status codes, error reasons, stop reasons, phases and service

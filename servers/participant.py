@@ -1,6 +1,6 @@
 """`gymrpc.v1.ParticipantService` over a `ControlPlane`: message mapping only.
 
-Every method is a control call (bearer token, checked by `servers.guard` before any of
+Every method is a control call (bearer token, checked by `gymrpc.servers.guard` before any of
 this runs). Each server role builds its `Participant`, wraps it in a `ControlPlane`, and
 adds `participant_binding(plane)` to the services it serves.
 """
@@ -18,9 +18,9 @@ from gymrpc.control.plane import DEFAULT_LEASE_GRACE, Placement
 from gymrpc.control.types import episode_keys
 from gymrpc.errors import InvalidArgument
 from gymrpc.pbtime import request_seconds, timestamp
+from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding
 from gymrpc.v1 import participant_service_pb2 as pb
 from gymrpc.v1 import participant_service_pb2_grpc as pb_grpc
-from servers.bootstrap import ServerConfig, ServiceBinding
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["ParticipantService"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envs.blackjack.environment import BlackjackEnvironment, BlackjackSession, parse_action
+from gymrpc.envs.blackjack.environment import BlackjackEnvironment, BlackjackSession, parse_action
 
 __all__ = ["BlackjackEnvironment", "BlackjackSession", "example_tasks_path", "parse_action"]
 

@@ -15,8 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from envs.blackjack._rules import DEALER_STANDS_AT, RANKS, hand_value
 from gymrpc.envkit import SnapshotCorrupt
+from gymrpc.envs.blackjack._rules import DEALER_STANDS_AT, RANKS, hand_value
 
 _KEYS = frozenset({"player", "dealer", "finished", "rng_state"})
 _RNG_VERSION = 3  # CPython's Mersenne Twister state format since Python 3.2

@@ -21,8 +21,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envs.blackjack import _rules, _snapshot
-from envs.blackjack._snapshot import GameState
 from gymrpc.envkit import (
     CheckpointMode,
     Environment,
@@ -37,6 +35,8 @@ from gymrpc.envkit import (
     ToolSpec,
     VerifyResult,
 )
+from gymrpc.envs.blackjack import _rules, _snapshot
+from gymrpc.envs.blackjack._snapshot import GameState
 
 _ACTION = re.compile(r"<action>\s*(hit|stand)\s*</action>", re.IGNORECASE)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envs.counter.environment import CounterEnvironment, CounterSession
+from gymrpc.envs.counter.environment import CounterEnvironment, CounterSession
 
 __all__ = ["CounterEnvironment", "CounterSession", "example_tasks_path"]
 

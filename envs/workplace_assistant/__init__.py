@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envs.workplace_assistant.environment import (
+from gymrpc.envs.workplace_assistant.environment import (
     LiveVerifyWorkplaceEnvironment,
     WorkplaceEnvironment,
     WorkplaceSession,

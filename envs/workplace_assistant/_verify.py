@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from envs.workplace_assistant._data import COMPARED_TABLES, fresh_tables
-from envs.workplace_assistant.tools import ToolBox
+from gymrpc.envs.workplace_assistant._data import COMPARED_TABLES, fresh_tables
+from gymrpc.envs.workplace_assistant.tools import ToolBox
 from gymrpc.snapshots import TableSet, frame_differences, frame_fingerprint
 
 VERIFY_MODES = ("replay", "live")

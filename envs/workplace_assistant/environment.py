@@ -24,15 +24,6 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
-from envs.workplace_assistant import _verify
-from envs.workplace_assistant._data import (
-    TABLE_NAMES,
-    fresh_tables,
-    load_tool_specs,
-    seed_frames_by_digest,
-    table_columns,
-)
-from envs.workplace_assistant.tools import ToolBox
 from gymrpc import safejson
 from gymrpc.envkit import (
     CheckpointMode,
@@ -48,6 +39,15 @@ from gymrpc.envkit import (
     ToolSpec,
     VerifyResult,
 )
+from gymrpc.envs.workplace_assistant import _verify
+from gymrpc.envs.workplace_assistant._data import (
+    TABLE_NAMES,
+    fresh_tables,
+    load_tool_specs,
+    seed_frames_by_digest,
+    table_columns,
+)
+from gymrpc.envs.workplace_assistant.tools import ToolBox
 from gymrpc.snapshots import (
     PAYLOAD_CONTENT_TYPE,
     BundleCorrupt,

@@ -18,7 +18,7 @@
 door, with the episode and this run baked into its headers; `episode.call_tool` runs a
 tool in the episode's resources session. Serve it with
 `role: agent, args: {entrypoint: mypkg.agents:solve}` in a stack (or
-`python -m servers.agent --entrypoint mypkg.agents:solve`).
+`python -m gymrpc.servers.agent --entrypoint mypkg.agents:solve`).
 
 A `Run` retried after the agent process died runs the function again from the start; the
 model role answers its recorded calls from the record and the resources role returns the

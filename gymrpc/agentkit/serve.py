@@ -1,4 +1,4 @@
-"""Serve an agent function: `python -m servers.agent --entrypoint mypkg.agents:solve [--resources ...]`.
+"""Serve an agent function: `python -m gymrpc.servers.agent --entrypoint mypkg.agents:solve [--resources ...]`.
 
 The same flags every server takes (name, bind, registry, ...) plus where its resources and
 model are and how a non-deterministic function is treated on replay.
@@ -18,9 +18,9 @@ from gymrpc.v1 import agent_service_pb2_grpc as pb_grpc
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of an agent-function server; `gymrpc up` checks stack args against them."""
-    from servers.bootstrap import add_common_arguments
+    from gymrpc.servers.bootstrap import add_common_arguments
 
-    parser = argparse.ArgumentParser(prog="python -m servers.agent --entrypoint", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gymrpc.servers.agent --entrypoint", description=__doc__)
     add_common_arguments(parser, default_name="agent/kit")
     parser.add_argument("--entrypoint", required=True, help="module:function, an async function of an Episode")
     parser.add_argument("--resources", default="resources/counter", help="stable name of the resources server")
@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     from gymrpc.agentkit.service import AgentKitServicer, load_entrypoint
-    from servers.agent.faults import CrashPlan
-    from servers.bootstrap import ServiceBinding, config_from_arguments, run, serve
+    from gymrpc.servers.agent.faults import CrashPlan
+    from gymrpc.servers.bootstrap import ServiceBinding, config_from_arguments, run, serve
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -4,7 +4,7 @@ Every `Run` resolves the model's front door afresh (the `openai_url` label of it
 endpoint), so a model server that restarted on another port is found again. The session id
 is derived from the episode, so a retried `Run` seeds (idempotently) the same session and its
 known tool call ids return their recorded results. Each `Run` sends a fresh run id: the model
-role numbers that run's calls and answers those it has recorded (`servers.model.replay`).
+role numbers that run's calls and answers those it has recorded (`gymrpc.servers.model.replay`).
 
 The trajectory is assembled from what the kit saw: every non-streamed model reply (its
 token ids are in the vLLM-style extra fields), every tool call, and the conversation of the

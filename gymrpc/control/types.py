@@ -1,7 +1,7 @@
 """Value types of the control plane, and their one mapping to and from the wire.
 
 The control plane works on these plain types so that its logic is testable without
-protobuf; `servers.participant` and `gymrpc.controller` convert at the edge.
+protobuf; `gymrpc.servers.participant` and `gymrpc.controller` convert at the edge.
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ def _plain_argv(args: Mapping[str, Any]) -> list[str]:
 
 def server_argv(name: str, module: str, args: Mapping[str, Any]) -> list[str]:
     """The command-line flags for `args`; ValueError naming server `name` and the key on any problem."""
-    if "entrypoint" in args and module.endswith("servers.agent"):
-        module = AGENT_FUNCTION_MODULE  # `python -m servers.agent --entrypoint` serves an agent function
+    if "entrypoint" in args and module.endswith("gymrpc.servers.agent"):
+        module = AGENT_FUNCTION_MODULE  # `python -m gymrpc.servers.agent --entrypoint` serves an agent function
     role = _role_parser(module)
     if role is None:
         return _plain_argv(args)

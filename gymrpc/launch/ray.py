@@ -2,7 +2,7 @@
 
 Each server replica runs under a *host actor* (`ServerHost`) that Ray places with the
 server's resource requests (`num_cpus`, `num_gpus`, custom `resources`, `node` affinity;
-replicas spread over the nodes otherwise). The host runs the very `python -m servers.<role>`
+replicas spread over the nodes otherwise). The host runs the very `python -m gymrpc.servers.<role>`
 process the local launcher runs, bound to its node's IP, and supervises it with the stack's
 restart policy (`ServerProcess`, shared with the local launcher). When the host itself dies
 (its worker process, or its node), Ray restarts the actor (`max_actor_restarts`), on another

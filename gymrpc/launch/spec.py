@@ -16,10 +16,10 @@ LAUNCHERS = ("local", "ray")
 MAX_REPLICAS = 1024
 
 ROLE_MODULES = {
-    "registry": "servers.registry",
-    "resources": "servers.resources",
-    "agent": "servers.agent",
-    "model": "servers.model",
+    "registry": "gymrpc.servers.registry",
+    "resources": "gymrpc.servers.resources",
+    "agent": "gymrpc.servers.agent",
+    "model": "gymrpc.servers.model",
 }
 
 
@@ -158,7 +158,7 @@ servers:
 def with_vllm_model(
     spec: StackSpec, model_path: str, *, name: str = "model/policy", start_timeout: float = 900.0, **engine: Any
 ) -> StackSpec:
-    """`spec` with server `name` served by vLLM from `model_path` (`python -m servers.model --backend vllm`).
+    """`spec` with server `name` served by vLLM from `model_path` (`python -m gymrpc.servers.model --backend vllm`).
 
     `engine` adds model-server flags (`dtype`, `tensor_parallel_size`, `max_model_len`,
     `kv_cache_gib`; None drops one). The start timeout covers loading the weights; the agents'

@@ -25,22 +25,22 @@ from gymrpc.testing.tiny_model import Example, TrainResult, build_tiny_model, tr
 
 def counter_rows() -> list[dict[str, Any]]:
     """The counter's bundled example tasks (JSONL rows)."""
-    import envs.counter
+    import gymrpc.envs.counter
 
-    path = envs.counter.example_tasks_path()
+    path = gymrpc.envs.counter.example_tasks_path()
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def counter_examples(rows: Sequence[Mapping[str, Any]], solver: Any = None) -> list[Example]:
     """One training sequence per task row: the whole episode `solver` plays (default: `CounterSolver`)."""
-    from envs.counter import CounterEnvironment
     from gymrpc.chat import ChatTemplate, default_tokenizer, parse_reply
+    from gymrpc.envs.counter import CounterEnvironment
     from gymrpc.messages import message_from_dict, task_from_row, task_spec
+    from gymrpc.servers.model.backends.base import Conversation
+    from gymrpc.servers.model.backends.sources import CounterSolver
+    from gymrpc.servers.model.requests import Limits, check_request
     from gymrpc.v1 import common_pb2
     from gymrpc.v1 import model_service_pb2 as pb
-    from servers.model.backends.base import Conversation
-    from servers.model.backends.sources import CounterSolver
-    from servers.model.requests import Limits, check_request
 
     tokenizer = default_tokenizer()
     template = ChatTemplate(tokenizer)

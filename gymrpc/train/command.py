@@ -150,9 +150,9 @@ async def _run(args: argparse.Namespace, config: TrainConfig, tasks: list[Rollou
 
 
 def _counter_tasks() -> Path:
-    import envs.counter
+    import gymrpc.envs.counter
 
-    return envs.counter.example_tasks_path()
+    return gymrpc.envs.counter.example_tasks_path()
 
 
 def main(argv: list[str] | None = None) -> int:

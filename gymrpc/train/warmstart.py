@@ -41,7 +41,7 @@ class Misreader:
     """The counter solver, reading the k-th number of the first user message as `n + offsets[k]`."""
 
     def __init__(self, offsets: Sequence[int]) -> None:
-        from servers.model.backends.sources import CounterSolver
+        from gymrpc.servers.model.backends.sources import CounterSolver
 
         self.offsets = tuple(offsets)
         self._solver = CounterSolver()
@@ -51,7 +51,7 @@ class Misreader:
         return _NUMBER.sub(lambda m: str(int(m.group()) + next(numbers, 0)), text)
 
     def reply(self, conversation: Any) -> str | None:
-        from servers.model.backends.base import Conversation
+        from gymrpc.servers.model.backends.base import Conversation
 
         messages, seen = [], False
         for message in conversation.messages:

@@ -1,11 +1,11 @@
-"""Run an agent: `python -m servers.agent --resources resources/counter --model model/policy`.
+"""Run an agent: `python -m gymrpc.servers.agent --resources resources/counter --model model/policy`.
 
 The agent reaches resources and model by their stable names through the registry, so it
 follows them when they restart on new ports. `--resume-dir PATH` turns on durable resume:
 every episode is checkpointed at each boundary under PATH (by default appended to this
 process's group-committed log; `--resume-store files` keeps one file per episode), and a
 retried `Run` (after the agent itself was killed, say) continues it. Otherwise the agent serves `ParticipantService`
-(coordinated checkpoints: `servers.agent.participant`) unless `--no-participant`.
+(coordinated checkpoints: `gymrpc.servers.agent.participant`) unless `--no-participant`.
 `--entrypoint module:function` serves an agent function instead (`gymrpc.agentkit`).
 """
 
@@ -28,25 +28,25 @@ from gymrpc.control.types import RECOVERY_DURABLE, RECOVERY_LABEL
 from gymrpc.errors import GymrpcError
 from gymrpc.ids import check_service_name
 from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir
+from gymrpc.servers.agent.durable import ResumeConfig
+from gymrpc.servers.agent.faults import CrashingResources, CrashPlan
+from gymrpc.servers.agent.participant import AgentParticipant
+from gymrpc.servers.agent.service import AgentConfig, AgentServicer
+from gymrpc.servers.agent.state import EpisodeState
+from gymrpc.servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+from gymrpc.servers.participant import add_participant_arguments, start_plane, wants_participant
 from gymrpc.store import EpisodeStore, FilesystemEpisodeStore, LogEpisodeStore
 from gymrpc.v1 import agent_service_pb2 as pb
 from gymrpc.v1 import agent_service_pb2_grpc as pb_grpc
-from servers.agent.durable import ResumeConfig
-from servers.agent.faults import CrashingResources, CrashPlan
-from servers.agent.participant import AgentParticipant
-from servers.agent.service import AgentConfig, AgentServicer
-from servers.agent.state import EpisodeState
-from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
-from servers.participant import add_participant_arguments, start_plane, wants_participant
 
-log = logging.getLogger("servers.agent")
+log = logging.getLogger("gymrpc.servers.agent")
 SWEEP_INTERVAL = 600.0
 """Seconds between deletions of expired completed episodes."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The server's options; `gymrpc up` checks stack args against them before starting anything."""
-    parser = argparse.ArgumentParser(prog="python -m servers.agent", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gymrpc.servers.agent", description=__doc__)
     add_common_arguments(parser, default_name="agent/simple")
     defaults = AgentConfig()
     parser.add_argument(

@@ -16,10 +16,10 @@ from typing import Any
 from gymrpc.errors import DataLoss
 from gymrpc.ids import ROLLOUT_ID
 from gymrpc.pbtime import duration, seconds
+from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import SCHEMA_VERSION, EpisodeCheckpoint
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from servers.agent.state import EpisodeState, Phase
 
 _RUNNING = (Phase.READY_FOR_MODEL, Phase.READY_FOR_TOOL, Phase.READY_FOR_VERIFY)
 _IN_PROGRESS_FIELDS = ("tools", "messages", "pending_tool_calls", "model_calls", "tool_calls", "usage")

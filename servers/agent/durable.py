@@ -32,14 +32,14 @@ from gymrpc.errors import (
     NotFound,
     Unimplemented,
 )
+from gymrpc.servers.agent import checkpoint
+from gymrpc.servers.agent.faults import CrashPlan
+from gymrpc.servers.agent.loop import EpisodeLoop
+from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import EpisodeCheckpoint, EpisodeLease, EpisodeStore
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as resources_pb
-from servers.agent import checkpoint
-from servers.agent.faults import CrashPlan
-from servers.agent.loop import EpisodeLoop
-from servers.agent.state import EpisodeState, Phase
 
 log = logging.getLogger(__name__)
 SESSION_RECOVERIES = 3

@@ -24,11 +24,11 @@ import grpc
 
 from gymrpc.errors import GymrpcError, from_rpc_error
 from gymrpc.pbtime import duration
+from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as model_pb
 from gymrpc.v1 import resources_service_pb2 as resources_pb
-from servers.agent.state import EpisodeState, Phase
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT = 5.0

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.errors import AlreadyExists, DataLoss, GymrpcError
 from gymrpc.pbtime import duration
+from gymrpc.servers.agent.checkpoint import check_running, new_record, record_boundary, restore_state
+from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import EpisodeCheckpoint
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
-from servers.agent.checkpoint import check_running, new_record, record_boundary, restore_state
-from servers.agent.state import EpisodeState, Phase
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Bad input is refused with INVALID_ARGUMENT before any downstream call; downstrea
 reach the caller as the same error class with the failing call named (the loop adds it).
 Every episode is a few awaits on the one event loop, so hundreds run concurrently.
 With durable resume on (`AgentConfig.resume` and a store), episodes go through
-`servers.agent.durable`, which checkpoints every boundary and continues retried runs.
+`gymrpc.servers.agent.durable`, which checkpoints every boundary and continues retried runs.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from gymrpc.errors import Aborted, DeadlineExceeded, InvalidArgument
 from gymrpc.ids import check_attempt, check_id
 from gymrpc.messages import ROLE_NAMES, parse_json_object
 from gymrpc.pbtime import request_seconds
+from gymrpc.servers.agent.checkpoint import fingerprint
+from gymrpc.servers.agent.durable import DurableEpisodes, ResumeConfig
+from gymrpc.servers.agent.faults import CrashPlan
+from gymrpc.servers.agent.loop import EpisodeLoop
+from gymrpc.servers.agent.participant import AgentParticipant
+from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import EpisodeStore
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as resources_pb
-from servers.agent.checkpoint import fingerprint
-from servers.agent.durable import DurableEpisodes, ResumeConfig
-from servers.agent.faults import CrashPlan
-from servers.agent.loop import EpisodeLoop
-from servers.agent.participant import AgentParticipant
-from servers.agent.state import EpisodeState, Phase
 
 MAX_TEXT_ID_LEN = 256
 """Bound on free-form ids that are echoed back and logged (`task_id`, `policy_version`)."""

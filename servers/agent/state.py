@@ -50,7 +50,7 @@ def session_id_for(rollout_id: str, attempt: int) -> str:
 
 @dataclass
 class EpisodeState:
-    """One episode between two boundaries. Mutated only by `servers.agent.loop.EpisodeLoop`.
+    """One episode between two boundaries. Mutated only by `gymrpc.servers.agent.loop.EpisodeLoop`.
 
     Phase invariants (what a checkpoint reader may rely on):
     - NEW: nothing has happened; `messages` is empty.

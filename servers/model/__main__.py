@@ -1,11 +1,11 @@
 """Run a model server.
 
-python -m servers.model --backend scripted --policy counter
-python -m servers.model --backend scripted --script replies.jsonl --recorded example_rollouts.jsonl
-python -m servers.model --policy counter --recorded env:blackjack   # an env's bundled recordings
-python -m servers.model --backend openai --upstream-url http://127.0.0.1:8011 [--upstream-mode auto|tokens|chat]
-python -m servers.model --backend vllm --model-path DIR [--dtype bfloat16] [--tensor-parallel-size 2]
-python -m servers.model --policy counter --openai-port 0 --replay-dir DIR   # + the OpenAI HTTP front door
+python -m gymrpc.servers.model --backend scripted --policy counter
+python -m gymrpc.servers.model --backend scripted --script replies.jsonl --recorded example_rollouts.jsonl
+python -m gymrpc.servers.model --policy counter --recorded env:blackjack   # an env's bundled recordings
+python -m gymrpc.servers.model --backend openai --upstream-url http://127.0.0.1:8011 [--upstream-mode auto|tokens|chat]
+python -m gymrpc.servers.model --backend vllm --model-path DIR [--dtype bfloat16] [--tensor-parallel-size 2]
+python -m gymrpc.servers.model --policy counter --openai-port 0 --replay-dir DIR   # + the OpenAI HTTP front door
 
 With a control token the server also serves WeightsService: new weights while episodes run.
 """
@@ -22,18 +22,18 @@ from pathlib import Path
 from gymrpc import auth
 from gymrpc.chat import ChatTokenizer, default_tokenizer
 from gymrpc.errors import GymrpcError
+from gymrpc.servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+from gymrpc.servers.model.backends.base import ModelBackend
+from gymrpc.servers.model.backends.vllm import add_vllm_arguments, model_tokenizer_file
+from gymrpc.servers.model.openai_front import OPENAI_LABEL, add_openai_arguments, start_openai
+from gymrpc.servers.model.participant import ModelParticipant
+from gymrpc.servers.model.requests import Limits
+from gymrpc.servers.model.service import ModelServicer
+from gymrpc.servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES
+from gymrpc.servers.model.weights.service import WeightsServicer, weights_binding
+from gymrpc.servers.participant import add_participant_arguments, start_plane, wants_participant
 from gymrpc.v1 import model_service_pb2 as pb
 from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
-from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
-from servers.model.backends.base import ModelBackend
-from servers.model.backends.vllm import add_vllm_arguments, model_tokenizer_file
-from servers.model.openai_front import OPENAI_LABEL, add_openai_arguments, start_openai
-from servers.model.participant import ModelParticipant
-from servers.model.requests import Limits
-from servers.model.service import ModelServicer
-from servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES
-from servers.model.weights.service import WeightsServicer, weights_binding
-from servers.participant import add_participant_arguments, start_plane, wants_participant
 
 POLICIES = ("counter",)
 ENV_DATA = re.compile(r"env:([a-z][a-z0-9_]*)")
@@ -49,9 +49,9 @@ def recorded_path(value: str) -> Path:
     if match is None:
         return Path(value)
     try:
-        module = importlib.import_module(f"envs.{match.group(1)}")
+        module = importlib.import_module(f"gymrpc.envs.{match.group(1)}")
     except ModuleNotFoundError:
-        raise argparse.ArgumentTypeError(f"{value!r}: there is no environment envs.{match.group(1)}") from None
+        raise argparse.ArgumentTypeError(f"{value!r}: there is no environment gymrpc.envs.{match.group(1)}") from None
     path = Path(module.__file__ or "").parent / "data" / "example_rollouts.jsonl"
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{value!r}: {path} does not exist")
@@ -60,11 +60,11 @@ def recorded_path(value: str) -> Path:
 
 def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBackend:
     if args.backend == "vllm":
-        from servers.model.backends.vllm import backend_from_arguments
+        from gymrpc.servers.model.backends.vllm import backend_from_arguments
 
         return backend_from_arguments(args, tokenizer)  # blocks until the engine can generate
     if args.backend == "openai":
-        from servers.model.backends.openai import OpenAIBackend
+        from gymrpc.servers.model.backends.openai import OpenAIBackend
 
         key = auth.read_token_file(args.upstream_api_key_file) if args.upstream_api_key_file else None
         return OpenAIBackend(
@@ -78,8 +78,8 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
             tokenizer=tokenizer,
             weights_model=args.upstream_weights,
         )
-    from servers.model.backends.scripted import ScriptedBackend
-    from servers.model.backends.sources import CounterSolver, RecordedRollouts, ReplySource, ScriptFile
+    from gymrpc.servers.model.backends.scripted import ScriptedBackend
+    from gymrpc.servers.model.backends.sources import CounterSolver, RecordedRollouts, ReplySource, ScriptFile
 
     sources: list[ReplySource] = [ScriptFile(path) for path in args.script]
     if args.recorded:
@@ -98,7 +98,7 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
 def build_parser() -> argparse.ArgumentParser:
     """The server's options; `gymrpc up` checks stack args against them (and `check_arguments`)."""
     parser = argparse.ArgumentParser(
-        prog="python -m servers.model",
+        prog="python -m gymrpc.servers.model",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="MODEL_DIR",
         help="take weight updates through a vLLM upstream's dev endpoints (VLLM_SERVER_DEV_MODE=1, "
-        "--worker-extension-cls servers.model.backends.vllm_weights.WeightsExtension); MODEL_DIR is the "
+        "--worker-extension-cls gymrpc.servers.model.backends.vllm_weights.WeightsExtension); MODEL_DIR is the "
         "safetensors folder it loaded, which updates must match",
     )
     add_vllm_arguments(parser)

@@ -25,9 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gymrpc.control import EpisodeKey
+from gymrpc.servers.model.backends.base import Finish, Sampling
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
-from servers.model.backends.base import Finish, Sampling
 
 MAX_LEDGER_EPISODES = 100_000
 """Episodes whose rows are kept (LRU); retire frees them sooner."""
@@ -66,7 +66,7 @@ class Generation:
     continued_at: list[int] = field(default_factory=list)
     """Offsets where the generation was continued after a cut (reported in its `TokenTrace`)."""
     spans: list[tuple[str, int, int]] = field(default_factory=list)
-    """Which weights produced which of `token_ids` (`servers.model.spans`)."""
+    """Which weights produced which of `token_ids` (`gymrpc.servers.model.spans`)."""
 
     def to_cut(self) -> rec_pb.GenerationCut:
         complete = self.state == "held"

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from servers.model.openai_http import OpenAIFrontDoor
-    from servers.model.service import ModelServicer
+    from gymrpc.servers.model.openai_http import OpenAIFrontDoor
+    from gymrpc.servers.model.service import ModelServicer
 
 OPENAI_LABEL = "openai_url"
 """Registry label holding the front door's base URL (`http://host:port/v1`)."""
@@ -34,9 +34,9 @@ async def start_openai(
     """Start the front door when `--openai-port` is set; with a stack `token` it checks credentials."""
     if args.openai_port is None:
         return None
-    from servers.credentials import DataPlaneCredentials
-    from servers.model.openai_http import OpenAIFrontDoor
-    from servers.model.replay import ReplayRecord
+    from gymrpc.servers.credentials import DataPlaneCredentials
+    from gymrpc.servers.model.openai_http import OpenAIFrontDoor
+    from gymrpc.servers.model.replay import ReplayRecord
 
     front_door = OpenAIFrontDoor(
         servicer,

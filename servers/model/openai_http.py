@@ -8,7 +8,7 @@ capture ledger, held responses, cuts and weight version. The episode comes from 
 `metadata.gymrpc_episode`; a call without one is served but not captured or recorded.
 
 With an episode and a run id (`x-gymrpc-run`, one per agent run) calls go through the
-replay record (`servers.model.replay`): a retried run is answered from it until its first
+replay record (`gymrpc.servers.model.replay`): a retried run is answered from it until its first
 call past the record. `x-gymrpc-divergence: go_live` continues live after a divergence.
 
 Errors are OpenAI error bodies with the HTTP status of the gRPC code; ones a retry cannot
@@ -34,11 +34,11 @@ from gymrpc.control import EpisodeKey
 from gymrpc.errors import GymrpcError, InvalidArgument
 from gymrpc.ids import check_id
 from gymrpc.messages import message_to_dict
+from gymrpc.servers.credentials import DataPlaneCredentials
+from gymrpc.servers.model import openai_shapes as shapes
+from gymrpc.servers.model.replay import FAIL, GO_LIVE, ReplayRecord
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import model_service_pb2 as pb
-from servers.credentials import DataPlaneCredentials
-from servers.model import openai_shapes as shapes
-from servers.model.replay import FAIL, GO_LIVE, ReplayRecord
-from servers.model.service import ModelServicer
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024

@@ -24,14 +24,14 @@ from typing import Any
 from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.errors import DataLoss, FailedPrecondition
 from gymrpc.messages import message_to_dict
+from gymrpc.servers.model import spans as version_spans
+from gymrpc.servers.model.backends.base import Completion, Conversation, Finish, Sampling
+from gymrpc.servers.model.capture import FINISH_OF, CaptureLedger, Generation, RestoredCuts, request_digest
+from gymrpc.servers.model.flights import Flight
+from gymrpc.servers.model.requests import Checked
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import model_service_pb2 as pb
-from servers.model import spans as version_spans
-from servers.model.backends.base import Completion, Conversation, Finish, Sampling
-from servers.model.capture import FINISH_OF, CaptureLedger, Generation, RestoredCuts, request_digest
-from servers.model.flights import Flight
-from servers.model.requests import Checked
-from servers.model.service import ModelServicer
 
 Run = Callable[[Flight, Checked, bool], Coroutine[Any, Any, None]]
 Staged = dict[EpisodeKey, tuple[list[rec_pb.CaptureRow], list[rec_pb.GenerationCut]]]
@@ -284,7 +284,7 @@ class ModelParticipant(Participant):
         self.ledger.drop([e for e in self.ledger.episodes() if self.marks.is_retired(e)])
         self.cuts.drop(episodes)
         self._pending = {e for e in self._pending if not self.marks.is_retired(e)}
-        replay = getattr(self.servicer, "replay", None)  # the OpenAI front door's record (servers.model.replay)
+        replay = getattr(self.servicer, "replay", None)  # the OpenAI front door's record (gymrpc.servers.model.replay)
         if replay is not None:
             replay.retired(self.marks.is_retired)
 

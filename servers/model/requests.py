@@ -13,9 +13,9 @@ from typing import Any
 from gymrpc.errors import InvalidArgument
 from gymrpc.ids import check_attempt, check_id
 from gymrpc.messages import ROLE_NAMES, parse_json_object
+from gymrpc.servers.model.backends.base import Sampling
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
-from servers.model.backends.base import Sampling
 
 MAX_REQUEST_ID = 256
 MAX_TOP_LOGPROBS = 20

@@ -21,15 +21,15 @@ import grpc
 from gymrpc.chat import ChatTemplate, ChatTokenizer, CompletionMemory, ParsedReply, parse_reply
 from gymrpc.errors import InvalidArgument
 from gymrpc.messages import message_from_dict
+from gymrpc.servers.model import spans as version_spans
+from gymrpc.servers.model.backends.base import Conversation, Finish, ModelBackend
+from gymrpc.servers.model.flights import Flight, FlightTable
+from gymrpc.servers.model.prompts import PromptTokenizer
+from gymrpc.servers.model.requests import Checked, Limits, check_request
+from gymrpc.servers.model.weights.switch import WeightSwitch
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
 from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
-from servers.model import spans as version_spans
-from servers.model.backends.base import Conversation, Finish, ModelBackend
-from servers.model.flights import Flight, FlightTable
-from servers.model.prompts import PromptTokenizer
-from servers.model.requests import Checked, Limits, check_request
-from servers.model.weights.switch import WeightSwitch
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self.template = ChatTemplate(self.prompts, memory=self.memory, **kwargs)  # type: ignore[arg-type]
         self.flights = FlightTable(cache_size)
         self.gate: Any = None
-        """Checkpoint hooks `admit`, `generate`, `deliver` (`servers.model.participant`), or None."""
+        """Checkpoint hooks `admit`, `generate`, `deliver` (`gymrpc.servers.model.participant`), or None."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         flight = self._admit(request, streaming=False)

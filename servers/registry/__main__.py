@@ -1,17 +1,17 @@
-"""Run the registry: `python -m servers.registry --bind unix:/run/dir/registry.sock`."""
+"""Run the registry: `python -m gymrpc.servers.registry --bind unix:/run/dir/registry.sock`."""
 
 from __future__ import annotations
 
 import argparse
 
+from gymrpc.servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+from gymrpc.servers.registry.service import CONTROL_METHODS, RegistryServicer
 from gymrpc.v1 import registry_service_pb2 as pb
 from gymrpc.v1 import registry_service_pb2_grpc as pb_grpc
-from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
-from servers.registry.service import CONTROL_METHODS, RegistryServicer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m servers.registry", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gymrpc.servers.registry", description=__doc__)
     add_common_arguments(parser, default_name="registry/main")
     args = parser.parse_args()
     config = config_from_arguments(args)

@@ -10,9 +10,9 @@ import grpc
 from gymrpc.errors import InvalidArgument, ResourceExhausted
 from gymrpc.ids import check_address, check_endpoint_id, check_service_name
 from gymrpc.pbtime import duration, request_seconds, timestamp
+from gymrpc.servers.registry.table import Entry, Table
 from gymrpc.v1 import registry_service_pb2 as pb
 from gymrpc.v1 import registry_service_pb2_grpc as pb_grpc
-from servers.registry.table import Entry, Table
 
 CONTROL_METHODS = ("Register", "KeepAlive", "Deregister")
 _EVENT = {

@@ -1,21 +1,21 @@
-"""Run a resources server: `python -m servers.resources --environment counter --name resources/counter`."""
+"""Run a resources server: `python -m gymrpc.servers.resources --environment counter --name resources/counter`."""
 
 from __future__ import annotations
 
 import argparse
 
+from gymrpc.servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+from gymrpc.servers.participant import add_participant_arguments, start_plane, wants_participant
+from gymrpc.servers.resources.participant import VERIFY_MODES, ResourcesParticipant, gate_servicer
+from gymrpc.servers.resources.plugins import BUILTIN, load_environment
+from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.v1 import resources_service_pb2 as pb
 from gymrpc.v1 import resources_service_pb2_grpc as pb_grpc
-from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
-from servers.participant import add_participant_arguments, start_plane, wants_participant
-from servers.resources.participant import VERIFY_MODES, ResourcesParticipant, gate_servicer
-from servers.resources.plugins import BUILTIN, load_environment
-from servers.resources.service import ResourcesServicer
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The server's options; `gymrpc up` checks stack args against them before starting anything."""
-    parser = argparse.ArgumentParser(prog="python -m servers.resources", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gymrpc.servers.resources", description=__doc__)
     add_common_arguments(parser, default_name="resources/counter")
     parser.add_argument(
         "--environment", default="counter", help=f"{', '.join(sorted(BUILTIN))}, or module:Class (default counter)"

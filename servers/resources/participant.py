@@ -50,12 +50,12 @@ from gymrpc.envkit import (
 from gymrpc.errors import DataLoss, FailedPrecondition, GymrpcError
 from gymrpc.ids import check_id
 from gymrpc.messages import task_spec, tool_definition
+from gymrpc.servers.resources.service import SNAPSHOT_PROTOCOL_VERSION, ResourcesServicer
+from gymrpc.servers.resources.sessions import EpisodeKey as HostKey
+from gymrpc.servers.resources.sessions import Slot
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
-from servers.resources.service import SNAPSHOT_PROTOCOL_VERSION, ResourcesServicer
-from servers.resources.sessions import EpisodeKey as HostKey
-from servers.resources.sessions import Slot
 
 VERIFY_MODES = {"wait": pb.CHECKPOINT_VERIFY_WAIT, "replay": pb.CHECKPOINT_VERIFY_REPLAY}
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]

@@ -7,9 +7,9 @@ import importlib
 from gymrpc.envkit import Environment
 
 BUILTIN = {
-    "counter": "envs.counter:CounterEnvironment",
-    "blackjack": "envs.blackjack:BlackjackEnvironment",
-    "workplace": "envs.workplace_assistant:WorkplaceEnvironment",
+    "counter": "gymrpc.envs.counter:CounterEnvironment",
+    "blackjack": "gymrpc.envs.blackjack:BlackjackEnvironment",
+    "workplace": "gymrpc.envs.workplace_assistant:WorkplaceEnvironment",
 }
 
 

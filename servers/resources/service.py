@@ -13,10 +13,10 @@ from gymrpc.envkit import CheckpointMode, Environment, InteractionStyle
 from gymrpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from gymrpc.ids import check_attempt, check_id
 from gymrpc.messages import messages_to_dicts, task_spec, tool_definition
+from gymrpc.servers.resources.sessions import EpisodeKey, SessionHost
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
 from gymrpc.v1 import resources_service_pb2_grpc as pb_grpc
-from servers.resources.sessions import EpisodeKey, SessionHost
 
 SNAPSHOT_PROTOCOL_VERSION = 1
 _MODES = {
@@ -44,7 +44,7 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
         self._tools = [tool_definition(t) for t in environment.tools()]
         self._tool_names = {t.name for t in self._tools}
         self.checkpoint_verify = pb.CHECKPOINT_VERIFY_WAIT
-        """Reported by ListTools; the checkpoint participant sets it (`servers.resources.participant`)."""
+        """Reported by ListTools; the checkpoint participant sets it (`gymrpc.servers.resources.participant`)."""
 
     async def ListTools(self, request: pb.ListToolsRequest, context: grpc.aio.ServicerContext) -> pb.ListToolsResponse:
         return pb.ListToolsResponse(

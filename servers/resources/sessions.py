@@ -273,7 +273,7 @@ class SessionHost:
     async def discard(self, session_id: str, episode: EpisodeKey) -> bool:
         return await self.close(session_id, episode)
 
-    # -- coordinated checkpoints (servers.resources.participant) ---------------------------
+    # -- coordinated checkpoints (gymrpc.servers.resources.participant) ---------------------------
 
     def live(self) -> dict[str, Slot]:
         """Live sessions by id: a copy, safe to iterate while calls run."""

@@ -103,7 +103,7 @@ class FakeModelServicer(pb_grpc.ModelServiceServicer):
 
 
 def main() -> None:
-    from servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+    from gymrpc.servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
 
     parser = argparse.ArgumentParser(prog="python -m tests.agent.fake_model", description=__doc__)
     add_common_arguments(parser, default_name="model/policy")

@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from envs.blackjack import BlackjackEnvironment
-from envs.counter import CounterEnvironment, example_tasks_path
+from gymrpc.envs.blackjack import BlackjackEnvironment
+from gymrpc.envs.counter import CounterEnvironment, example_tasks_path
 from gymrpc.messages import task_from_row
+from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as model_pb
 from gymrpc.v1 import resources_service_pb2 as resources_pb
-from servers.resources.service import ResourcesServicer
 from tests.agent.fake_model import FakeModelServicer
 
 ASSISTANT, USER, TOOL = common_pb2.ROLE_ASSISTANT, common_pb2.ROLE_USER, common_pb2.ROLE_TOOL
@@ -128,7 +128,7 @@ def counter_tasks() -> list[common_pb2.Task]:
 
 
 def blackjack_tasks(seed: int | None = None) -> list[common_pb2.Task]:
-    from envs.blackjack import example_tasks_path as blackjack_path
+    from gymrpc.envs.blackjack import example_tasks_path as blackjack_path
 
     tasks = [task_from_row(row, str(i)) for i, row in enumerate(rows(blackjack_path()))]
     if seed is not None:

@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 
 from gymrpc.errors import Unavailable
+from gymrpc.servers.agent.checkpoint import fingerprint, restore_state
+from gymrpc.servers.agent.durable import ResumeConfig
+from gymrpc.servers.agent.loop import EpisodeLoop
+from gymrpc.servers.agent.participant import boundary_record
+from gymrpc.servers.agent.service import AgentConfig, AgentServicer
+from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import EpisodeCheckpoint, FilesystemEpisodeStore
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from servers.agent.checkpoint import fingerprint, restore_state
-from servers.agent.durable import ResumeConfig
-from servers.agent.loop import EpisodeLoop
-from servers.agent.participant import boundary_record
-from servers.agent.service import AgentConfig, AgentServicer
-from servers.agent.state import EpisodeState, Phase
 from tests.agent.fakes import counter_resources, fake_model
 from tests.resume.helpers import POLICY, task
 

@@ -1,9 +1,9 @@
 """The agent over real gRPC: registry, resources (counter, blackjack), FAKE model, agents, one loop.
 
-Every server is started in-process with `servers.bootstrap.start_server` and registers
+Every server is started in-process with `gymrpc.servers.bootstrap.start_server` and registers
 under its stable name; the test reaches the agents through `gymrpc.Client`, and the
 agents reach resources and model through their own `gymrpc.Client`, exactly as
-`python -m servers.agent` does. (`test_process.py` runs the same stack as processes.)
+`python -m gymrpc.servers.agent` does. (`test_process.py` runs the same stack as processes.)
 """
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ from typing import Any
 
 import pytest
 
-from envs.blackjack import BlackjackEnvironment
-from envs.counter import CounterEnvironment
 from gymrpc import auth
 from gymrpc.client import Client
 from gymrpc.envkit import Environment
+from gymrpc.envs.blackjack import BlackjackEnvironment
+from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.errors import InvalidArgument
+from gymrpc.servers.agent.service import AgentConfig, AgentServicer
+from gymrpc.servers.bootstrap import RunningServer, ServerConfig, ServiceBinding, start_server
+from gymrpc.servers.registry.service import CONTROL_METHODS, RegistryServicer
+from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gymrpc.v1 import common_pb2
@@ -32,10 +36,6 @@ from gymrpc.v1 import registry_service_pb2 as registry_pb
 from gymrpc.v1 import registry_service_pb2_grpc as registry_grpc
 from gymrpc.v1 import resources_service_pb2 as resources_pb
 from gymrpc.v1 import resources_service_pb2_grpc as resources_grpc
-from servers.agent.service import AgentConfig, AgentServicer
-from servers.bootstrap import RunningServer, ServerConfig, ServiceBinding, start_server
-from servers.registry.service import CONTROL_METHODS, RegistryServicer
-from servers.resources.service import ResourcesServicer
 from tests.agent.fake_model import FakeModelServicer
 from tests.agent.fakes import blackjack_tasks, counter_task, counter_tasks
 

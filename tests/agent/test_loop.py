@@ -8,10 +8,10 @@ import json
 import pytest
 
 from gymrpc.errors import InvalidArgument, Unavailable
+from gymrpc.servers.agent.loop import NO_NAME_ERROR, EpisodeLoop
+from gymrpc.servers.agent.state import MAX_ID_LEN, EpisodeState, Phase, session_id_for
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from servers.agent.loop import NO_NAME_ERROR, EpisodeLoop
-from servers.agent.state import MAX_ID_LEN, EpisodeState, Phase, session_id_for
 from tests.agent.fakes import (
     ASSISTANT,
     TOOL,

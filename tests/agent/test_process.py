@@ -1,4 +1,4 @@
-"""`python -m servers.agent` as a real process under `gymrpc up`, surviving restarts of what it calls.
+"""`python -m gymrpc.servers.agent` as a real process under `gymrpc up`, surviving restarts of what it calls.
 
 Uses the real model server (`--backend scripted --policy counter`) once it exists, else
 the FAKE model of `tests.agent.fake_model` run as a process.
@@ -66,7 +66,7 @@ def test_agent_process_runs_counter_tasks_and_follows_restarts(start_stack: Any)
 
 def test_cli_refuses_to_start_without_a_registry() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "servers.agent", "--max-steps", "3"],
+        [sys.executable, "-m", "gymrpc.servers.agent", "--max-steps", "3"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -79,7 +79,7 @@ def test_cli_refuses_to_start_without_a_registry() -> None:
 
 def test_cli_refuses_bad_limits() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "servers.agent", "--registry", "unix:/nonexistent", "--max-steps", "0"],
+        [sys.executable, "-m", "gymrpc.servers.agent", "--registry", "unix:/nonexistent", "--max-steps", "0"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -11,9 +11,9 @@ import pytest
 
 from gymrpc.errors import Aborted, DeadlineExceeded, GymrpcError, InvalidArgument
 from gymrpc.pbtime import duration
+from gymrpc.servers.agent.service import AgentConfig, AgentServicer
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from servers.agent.service import AgentConfig, AgentServicer
 from tests.agent.fakes import (
     ScriptedModel,
     blackjack_resources,

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from gymrpc.balancing import place
-from servers.agent.state import session_id_for
+from gymrpc.servers.agent.state import session_id_for
 from tests.control.test_checkpoint_index import EPISODES, ReplicaClient, close, controller_of, seeded
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """In-process participants over real gRPC, for the simulation, bad-input tests and the control benchmark.
 
-Each participant is a real `grpc.aio` server on 127.0.0.1:0 started by `servers.bootstrap.start_server`
+Each participant is a real `grpc.aio` server on 127.0.0.1:0 started by `gymrpc.servers.bootstrap.start_server`
 (token check, error mapping, reflection, as `gymrpc up` serves it), in this process so that hundreds
 of control rounds run in seconds and the tests can look at participant state directly. The
 `Controller` reaches them through `DirectClient`, a name to address map instead of a registry, so a
@@ -20,13 +20,21 @@ from typing import Any
 
 import grpc
 
-from envs.counter import CounterEnvironment
 from gymrpc import auth
 from gymrpc.channels import service_channel_options
 from gymrpc.chat import default_tokenizer
 from gymrpc.control import ControlPlane, EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.controller import Controller
+from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.errors import DataLoss, FailedPrecondition, from_rpc_error
+from gymrpc.servers.bootstrap import RunningServer, ServerConfig, ServiceBinding, start_server
+from gymrpc.servers.model.backends.scripted import ScriptedBackend
+from gymrpc.servers.model.backends.sources import CounterSolver
+from gymrpc.servers.model.participant import ModelParticipant
+from gymrpc.servers.model.service import ModelServicer
+from gymrpc.servers.participant import participant_binding
+from gymrpc.servers.resources.participant import ResourcesParticipant, gate_servicer
+from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as model_pb
@@ -35,14 +43,6 @@ from gymrpc.v1 import participant_service_pb2 as pb
 from gymrpc.v1 import participant_service_pb2_grpc as pb_grpc
 from gymrpc.v1 import resources_service_pb2 as res_pb
 from gymrpc.v1 import resources_service_pb2_grpc as res_grpc
-from servers.bootstrap import RunningServer, ServerConfig, ServiceBinding, start_server
-from servers.model.backends.scripted import ScriptedBackend
-from servers.model.backends.sources import CounterSolver
-from servers.model.participant import ModelParticipant
-from servers.model.service import ModelServicer
-from servers.participant import participant_binding
-from servers.resources.participant import ResourcesParticipant, gate_servicer
-from servers.resources.service import ResourcesServicer
 from tests.agent.fakes import counter_task, counter_tasks
 
 TOKEN = "test-control-token"

@@ -20,9 +20,9 @@ from gymrpc.balancing import place
 from gymrpc.client import Client
 from gymrpc.control import EpisodeKey, Kind, store
 from gymrpc.controller import Controller
+from gymrpc.servers.agent.state import session_id_for
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from servers.agent.state import session_id_for
 from tests.agent.fakes import counter_tasks
 from tests.control.test_process import outcome
 

@@ -11,20 +11,20 @@ from typing import Any
 
 import pytest
 
-from envs.counter import CounterEnvironment
 from gymrpc.control import ControlPlane, EpisodeKey, Kind, Phase
 from gymrpc.control import store as store_module
+from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.errors import DataLoss, GymrpcError
 from gymrpc.pbtime import seconds
+from gymrpc.servers.agent.participant import AgentParticipant
+from gymrpc.servers.agent.service import AgentConfig, AgentServicer
+from gymrpc.servers.resources.participant import ResourcesParticipant, gate_servicer
+from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.store import EpisodeCheckpoint
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as model_pb
-from servers.agent.participant import AgentParticipant
-from servers.agent.service import AgentConfig, AgentServicer
-from servers.resources.participant import ResourcesParticipant, gate_servicer
-from servers.resources.service import ResourcesServicer
 from tests.agent.fakes import DirectStub, counter_task, reply
 
 TASK = counter_task("count to three", 0, 3)

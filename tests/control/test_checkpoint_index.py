@@ -24,9 +24,9 @@ from gymrpc.control import EpisodeKey, Kind, Phase, store
 from gymrpc.control.index import INDEX, read_index, write_index
 from gymrpc.controller import Controller, CoordinationError
 from gymrpc.errors import Aborted, DataLoss, FailedPrecondition, NotFound, Unavailable
+from gymrpc.servers.participant import ParticipantServicer
 from gymrpc.v1 import participant_service_pb2 as pb
 from gymrpc.v1 import registry_service_pb2 as registry_pb
-from servers.participant import ParticipantServicer
 from tests.agent.fakes import DirectStub
 from tests.control.test_replica_restore import EPISODES, NAME, Replica, session
 

@@ -12,8 +12,8 @@ import pytest
 from gymrpc.control import ControlPlane, EpisodeKey, Kind, Phase, Scope
 from gymrpc.controller import Controller, CoordinationError
 from gymrpc.errors import FailedPrecondition
+from gymrpc.servers.participant import ParticipantServicer
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
-from servers.participant import ParticipantServicer
 from tests.agent.fakes import DirectStub
 from tests.control.test_plane import Scripted
 

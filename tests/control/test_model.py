@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 
-from envs.counter import CounterEnvironment
 from gymrpc.chat import default_tokenizer
 from gymrpc.control import ControlPlane, EpisodeKey, Phase, store
+from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.errors import GymrpcError
 from gymrpc.messages import task_spec
+from gymrpc.servers.model.backends.scripted import ScriptedBackend
+from gymrpc.servers.model.backends.sources import CounterSolver
+from gymrpc.servers.model.participant import ModelParticipant
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
-from servers.model.backends.scripted import ScriptedBackend
-from servers.model.backends.sources import CounterSolver
-from servers.model.participant import ModelParticipant
-from servers.model.service import ModelServicer
 from tests.agent.fakes import counter_tasks
 
 TOKEN_DELAY = 0.01

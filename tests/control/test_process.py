@@ -20,13 +20,13 @@ from gymrpc.client import Client
 from gymrpc.control import EpisodeKey, Kind, store
 from gymrpc.controller import Controller, CoordinationError
 from gymrpc.errors import FailedPrecondition, GymrpcError
+from gymrpc.servers.agent.loop import EpisodeLoop
+from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as model_pb
 from gymrpc.v1 import participant_service_pb2 as pb
 from gymrpc.v1 import participant_service_pb2_grpc as pb_grpc
 from gymrpc.v1 import resources_service_pb2 as res_pb
-from servers.agent.loop import EpisodeLoop
-from servers.agent.state import EpisodeState, Phase
 from tests.agent.fakes import blackjack_tasks, counter_tasks
 
 PARTICIPANTS = ("resources/counter", "resources/blackjack", "model/policy")

@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 
-from envs.counter import CounterEnvironment
 from gymrpc.balancing import place
 from gymrpc.control import ControlPlane, EpisodeKey, Kind, Phase, store
 from gymrpc.control.plane import Placement
+from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.errors import DataLoss, InvalidArgument, NotFound, Unavailable
+from gymrpc.servers.resources.participant import ResourcesParticipant, gate_servicer
+from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as res_pb
-from servers.resources.participant import ResourcesParticipant, gate_servicer
-from servers.resources.service import ResourcesServicer
 from tests.agent.fakes import counter_task
 from tests.control.test_model import Episode, Model
 

@@ -12,16 +12,16 @@ from typing import Any, ClassVar
 
 import pytest
 
-from envs.blackjack import BlackjackEnvironment
-from envs.counter import CounterEnvironment
 from gymrpc.control import ControlPlane, EpisodeKey, Phase
 from gymrpc.control import store as store_module
 from gymrpc.envkit import CheckpointMode, Environment, Session, TaskSpec, ToolResult, ToolSpec, VerifyResult
+from gymrpc.envs.blackjack import BlackjackEnvironment
+from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.errors import DataLoss, GymrpcError
+from gymrpc.servers.resources.participant import ResourcesParticipant, gate_servicer
+from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
-from servers.resources.participant import ResourcesParticipant, gate_servicer
-from servers.resources.service import ResourcesServicer
 from tests.agent.fakes import blackjack_tasks, counter_task
 
 

@@ -10,9 +10,6 @@ from typing import Any
 
 import pytest
 
-from envs.blackjack import BlackjackEnvironment, BlackjackSession, example_tasks_path, parse_action
-from envs.blackjack._rules import RANKS, hand_value, observation, outcome, play_dealer
-from envs.blackjack._snapshot import GameState
 from gymrpc.envkit import (
     CheckpointMode,
     InteractionStyle,
@@ -23,6 +20,9 @@ from gymrpc.envkit import (
     ToolError,
     task_from_row,
 )
+from gymrpc.envs.blackjack import BlackjackEnvironment, BlackjackSession, example_tasks_path, parse_action
+from gymrpc.envs.blackjack._rules import RANKS, hand_value, observation, outcome, play_dealer
+from gymrpc.envs.blackjack._snapshot import GameState
 
 OBSERVATION = re.compile(
     r"Your hand: \[(?P<hand>[^\]]+)\] = (?P<value>\d+)\n"

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from envs.counter import CounterEnvironment, example_tasks_path
 from gymrpc.envkit import (
     CheckpointMode,
     InvalidTask,
@@ -19,6 +18,7 @@ from gymrpc.envkit import (
     ToolError,
     task_from_row,
 )
+from gymrpc.envs.counter import CounterEnvironment, example_tasks_path
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-import envs.blackjack
-import envs.counter
+import gymrpc.envs.blackjack
+import gymrpc.envs.counter
 from gymrpc.envkit import task_from_row
 
 
@@ -22,7 +22,7 @@ def _row(**extra: Any) -> dict[str, Any]:
 
 
 def test_counter_rows_split_into_input_and_fields() -> None:
-    rows = _rows(envs.counter.example_tasks_path())
+    rows = _rows(gymrpc.envs.counter.example_tasks_path())
     assert len(rows) == 5
     task = task_from_row(rows[0], "0")
     assert task.task_id == "0"
@@ -31,7 +31,7 @@ def test_counter_rows_split_into_input_and_fields() -> None:
 
 
 def test_blackjack_rows_drop_agent_ref() -> None:
-    rows = _rows(envs.blackjack.example_tasks_path())
+    rows = _rows(gymrpc.envs.blackjack.example_tasks_path())
     assert len(rows) == 5
     task = task_from_row(rows[3], "3")
     assert [m["role"] for m in task.input] == ["system", "user"]
@@ -40,7 +40,7 @@ def test_blackjack_rows_drop_agent_ref() -> None:
 
 
 def test_rollout_rows_lose_message_type_and_ng_keys() -> None:
-    path = envs.blackjack.example_tasks_path().with_name("example_rollouts.jsonl")
+    path = gymrpc.envs.blackjack.example_tasks_path().with_name("example_rollouts.jsonl")
     row = _rows(path)[0]
     task = task_from_row(row, "r0")
     assert all(set(m) == {"role", "content"} for m in task.input)

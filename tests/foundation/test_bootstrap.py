@@ -20,12 +20,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import gymrpc
 from gymrpc import errors
 from gymrpc.channels import insecure_channel, service_channel_options
+from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding, start_server
+from gymrpc.servers.registry.service import CONTROL_METHODS, RegistryServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import registry_service_pb2 as reg_pb
 from gymrpc.v1 import registry_service_pb2_grpc as reg_grpc
 from gymrpc.v1 import resources_service_pb2 as res_pb
-from servers.bootstrap import ServerConfig, ServiceBinding, start_server
-from servers.registry.service import CONTROL_METHODS, RegistryServicer
 
 TOKEN = "s3cret-token"
 

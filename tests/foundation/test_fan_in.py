@@ -13,12 +13,12 @@ import gymrpc
 from gymrpc import errors
 from gymrpc.channels import insecure_channel, service_channel_options
 from gymrpc.pbtime import duration
+from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding, start_server
+from gymrpc.servers.registry.service import CONTROL_METHODS, RegistryServicer
 from gymrpc.v1 import registry_service_pb2 as reg_pb
 from gymrpc.v1 import registry_service_pb2_grpc as reg_grpc
 from gymrpc.v1 import resources_service_pb2 as pb
 from gymrpc.v1 import resources_service_pb2_grpc as pb_grpc
-from servers.bootstrap import ServerConfig, ServiceBinding, start_server
-from servers.registry.service import CONTROL_METHODS, RegistryServicer
 
 COUNTER = {"servers": [{"name": "resources/counter", "role": "resources", "args": {"environment": "counter"}}]}
 CALLS = 5_000

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gymrpc import errors
-from servers.registry.table import MAX_TTL, MIN_TTL, Table
+from gymrpc.servers.registry.table import MAX_TTL, MIN_TTL, Table
 
 
 class Clock:

@@ -18,15 +18,15 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_false_means_false_and_true_means_true() -> None:
     argv = server_argv(
         "agent/a",
-        "servers.agent",
+        "gymrpc.servers.agent",
         {"resources": "resources/counter", "require_policy_version": False, "await_restore": True},
     )
     assert argv == ["--resources", "resources/counter", "--no-require-policy-version", "--await-restore"]
-    assert server_argv("agent/a", "servers.agent", {"await_restore": False}) == []
-    assert server_argv("agent/a", "servers.agent", {"no_require_policy_version": True}) == [
+    assert server_argv("agent/a", "gymrpc.servers.agent", {"await_restore": False}) == []
+    assert server_argv("agent/a", "gymrpc.servers.agent", {"no_require_policy_version": True}) == [
         "--no-require-policy-version"
     ]
-    assert server_argv("model/m", "servers.model", {"policy": ["counter"], "script": ["a", "b"]}) == [
+    assert server_argv("model/m", "gymrpc.servers.model", {"policy": ["counter"], "script": ["a", "b"]}) == [
         "--policy",
         "counter",
         "--script",
@@ -39,13 +39,17 @@ def test_false_means_false_and_true_means_true() -> None:
 @pytest.mark.parametrize(
     ("module", "args", "says"),
     [
-        ("servers.model", {"model": "/m", "backend": "vllm"}, "args.model: servers.model has no option --model"),
-        ("servers.model", {"backend": "vllm"}, "--backend vllm needs --model-path"),
-        ("servers.agent", {"max_steps": "many"}, "invalid int value: 'many'"),
-        ("servers.agent", {"require_policy_version": "no"}, "is a switch"),
-        ("servers.agent", {"resources": True}, "--resources takes a value"),
-        ("servers.resources", {"environment": "counter", "name": "x"}, "args.name: set by the launcher"),
-        ("servers.resources", {"checkpoint_verify": "never"}, "invalid choice: 'never'"),
+        (
+            "gymrpc.servers.model",
+            {"model": "/m", "backend": "vllm"},
+            "args.model: gymrpc.servers.model has no option --model",
+        ),
+        ("gymrpc.servers.model", {"backend": "vllm"}, "--backend vllm needs --model-path"),
+        ("gymrpc.servers.agent", {"max_steps": "many"}, "invalid int value: 'many'"),
+        ("gymrpc.servers.agent", {"require_policy_version": "no"}, "is a switch"),
+        ("gymrpc.servers.agent", {"resources": True}, "--resources takes a value"),
+        ("gymrpc.servers.resources", {"environment": "counter", "name": "x"}, "args.name: set by the launcher"),
+        ("gymrpc.servers.resources", {"checkpoint_verify": "never"}, "invalid choice: 'never'"),
     ],
 )
 def test_a_wrong_key_or_value_names_the_server_and_key(module: str, args: dict, says: str) -> None:
@@ -73,7 +77,7 @@ def test_gymrpc_up_refuses_a_bad_stack_before_starting_anything(run_dir: Path) -
             env=env,
         )
         assert done.returncode == 2, done.stderr
-        assert "server model/policy: args.model: servers.model has no option --model" in done.stderr
+        assert "server model/policy: args.model: gymrpc.servers.model has no option --model" in done.stderr
         assert not (run_dir / "stack.json").exists()
         assert not (run_dir / "registry.addr").exists()
 

@@ -2,7 +2,7 @@
 
 One stack: resources/counter, the real model server (scripted counter policy) with its
 OpenAI front door and a durable replay folder, and one kit agent per crash point, each with
-its own fault injection (`servers.agent.faults`): the agent kills itself once at that
+its own fault injection (`gymrpc.servers.agent.faults`): the agent kills itself once at that
 boundary; the supervisor restarts it; the trainer's pending `Client.run` follows the name
 and the restarted agent runs the function again from the start. The model role answers the
 recorded prefix from its record (counted per episode by the front door: nothing is

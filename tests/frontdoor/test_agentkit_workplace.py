@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from envs.workplace_assistant import example_rollouts_path, rollout_tasks_path
 from gymrpc.client import Client
+from gymrpc.envs.workplace_assistant import example_rollouts_path, rollout_tasks_path
 from gymrpc.messages import task_from_row
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from tests.frontdoor.test_agentkit import REACT, episode_stats, outcome

@@ -8,9 +8,9 @@ import pytest
 
 from gymrpc.control import EpisodeKey
 from gymrpc.errors import FailedPrecondition
+from gymrpc.servers.model.replay import GO_LIVE, ReplayRecord, first_difference
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
-from servers.model.replay import GO_LIVE, ReplayRecord, first_difference
 
 EPISODE = EpisodeKey("r1", 0)
 

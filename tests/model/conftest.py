@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from envs.counter import CounterEnvironment
 from gymrpc.channels import insecure_channel, service_channel_options
+from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.messages import messages_to_dicts, task_from_row, task_spec
+from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding, start_server
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
 from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
-from servers.bootstrap import ServerConfig, ServiceBinding, start_server
-from servers.model.service import ModelServicer
 
 ROOT = Path(__file__).resolve().parents[2]
 

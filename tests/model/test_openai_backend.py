@@ -19,11 +19,11 @@ import pytest
 
 from gymrpc.chat import default_tokenizer
 from gymrpc.errors import Internal, InvalidArgument, Unavailable
+from gymrpc.servers.model.backends.base import Finish, Sampling
+from gymrpc.servers.model.backends.openai import OpenAIBackend
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
-from servers.model.backends.base import Finish, Sampling
-from servers.model.backends.openai import OpenAIBackend
-from servers.model.service import ModelServicer
 
 REPLY = '<tool_call>\n{"name": "get_counter_value", "arguments": {}}\n</tool_call>'
 
@@ -312,8 +312,8 @@ def test_weight_updates_without_the_dev_endpoints_are_unimplemented_naming_what_
     upstream: tuple[str, FakeVLLM], tmp_path: Any
 ) -> None:
     from gymrpc.errors import Unimplemented
-    from servers.model.weights.service import WeightsServicer
-    from servers.model.weights.switch import Mode, WeightSwitch
+    from gymrpc.servers.model.weights.service import WeightsServicer
+    from gymrpc.servers.model.weights.switch import Mode, WeightSwitch
 
     url, fake = upstream
     backend = OpenAIBackend(url, model="tiny")
@@ -332,8 +332,8 @@ def test_weight_updates_without_the_dev_endpoints_are_unimplemented_naming_what_
 
 
 def test_weight_updates_go_through_the_dev_endpoints_in_order(upstream: tuple[str, FakeVLLM], tmp_path: Any) -> None:
-    from servers.model.weights.folder import open_folder
-    from servers.model.weights.switch import Mode, WeightSwitch
+    from gymrpc.servers.model.weights.folder import open_folder
+    from gymrpc.servers.model.weights.switch import Mode, WeightSwitch
 
     url, fake = upstream
     model = _folder(tmp_path / "model")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gymrpc.chat import ChatTemplate, default_tokenizer
-from servers.model.prompts import PromptTokenizer
+from gymrpc.servers.model.prompts import PromptTokenizer
 
 TOOLS = [{"name": "lookup", "description": "Look a record up. " * 8, "parameters": {"type": "object"}}]
 

@@ -11,12 +11,12 @@ import pytest
 
 from gymrpc.chat import default_tokenizer
 from gymrpc.errors import FailedPrecondition
+from gymrpc.servers.model.backends.base import Conversation, Finish, Sampling
+from gymrpc.servers.model.backends.scripted import ScriptedBackend
+from gymrpc.servers.model.backends.sources import CounterSolver, RecordedRollouts, ScriptFile
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
-from servers.model.backends.base import Conversation, Finish, Sampling
-from servers.model.backends.scripted import ScriptedBackend
-from servers.model.backends.sources import CounterSolver, RecordedRollouts, ScriptFile
-from servers.model.service import ModelServicer
 
 
 def _servicer(*sources: Any, **kwargs: Any) -> ModelServicer:

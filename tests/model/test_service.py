@@ -19,14 +19,14 @@ import pytest
 
 from gymrpc.chat import default_tokenizer
 from gymrpc.errors import from_rpc_error
+from gymrpc.servers.model.backends.base import CompletionDelta, Conversation, Sampling
+from gymrpc.servers.model.backends.scripted import ScriptedBackend
+from gymrpc.servers.model.backends.sources import CounterSolver
+from gymrpc.servers.model.requests import Limits
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
 from gymrpc.v1 import model_service_pb2_grpc as pb_grpc
-from servers.model.backends.base import CompletionDelta, Conversation, Sampling
-from servers.model.backends.scripted import ScriptedBackend
-from servers.model.backends.sources import CounterSolver
-from servers.model.requests import Limits
-from servers.model.service import ModelServicer
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = common_pb2.ROLE_USER
@@ -263,7 +263,7 @@ def test_prompt_over_the_limit_is_invalid_argument(serve_model: Any) -> None:
 def test_server_process_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "servers.model", "--policy", "counter", "--weight-version", "iteration:3",
+    argv = [sys.executable, "-m", "gymrpc.servers.model", "--policy", "counter", "--weight-version", "iteration:3",
             "--ready-file", str(ready)]  # fmt: skip
     process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -289,6 +289,8 @@ def test_server_process_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
 
 def test_cli_refuses_a_scripted_backend_without_sources() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "servers.model"], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "gymrpc.servers.model"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert done.returncode == 2
     assert "needs --script, --recorded, --policy or --fallback" in done.stderr

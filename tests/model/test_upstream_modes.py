@@ -19,12 +19,12 @@ import pytest
 from gymrpc.chat import default_tokenizer
 from gymrpc.control import ControlPlane, Phase
 from gymrpc.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unauthenticated
+from gymrpc.servers.model.backends.base import Sampling
+from gymrpc.servers.model.backends.openai import OpenAIBackend
+from gymrpc.servers.model.participant import ModelParticipant
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
-from servers.model.backends.base import Sampling
-from servers.model.backends.openai import OpenAIBackend
-from servers.model.participant import ModelParticipant
-from servers.model.service import ModelServicer
 from tests.control.test_model import soon
 from tests.model.upstreams import FakeUpstream, RunningUpstream
 
@@ -83,7 +83,7 @@ def test_forced_tokens_mode_against_a_chat_only_server_fails_at_start_naming_the
     # The server process refuses to start, and says why.
     args = ["--backend", "openai", "--upstream-url", chat_only.url, "--upstream-mode", "tokens", "--no-participant"]
     done = subprocess.run(
-        [sys.executable, "-m", "servers.model", *args, "--bind", "127.0.0.1:0"],
+        [sys.executable, "-m", "gymrpc.servers.model", *args, "--bind", "127.0.0.1:0"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -2,7 +2,7 @@
 
 Two fake OpenAI-compatible servers run in this process (`tests.model.upstreams`): a chat-only
 one with tool calling, and a vLLM-style token-level one. The stack's model servers are the real
-`python -m servers.model --backend openai` processes: one probes the chat-only upstream (mode
+`python -m gymrpc.servers.model --backend openai` processes: one probes the chat-only upstream (mode
 auto, which must pick chat), one is told `--upstream-mode tokens`. Each serves an agent for the
 counter environment and one for the workplace environment; every episode must earn its reward.
 """
@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from envs.workplace_assistant import example_tasks_path
 from gymrpc.client import Client
+from gymrpc.envs.workplace_assistant import example_tasks_path
 from gymrpc.messages import task_from_row
+from gymrpc.servers.model.backends.sources import CounterSolver, ScriptFile
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from servers.model.backends.sources import CounterSolver, ScriptFile
 from tests.model.upstreams import FakeUpstream, RunningUpstream
 
 ROOT = Path(__file__).resolve().parents[2]

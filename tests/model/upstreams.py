@@ -2,7 +2,7 @@
 
 Real HTTP servers (`ThreadingHTTPServer` on 127.0.0.1:0, one thread per connection) that
 the backend, a model server process or a benchmark talk to over sockets. The "model" is a
-scripted policy (`servers.model.backends.sources`: the counter solver, script files), so
+scripted policy (`gymrpc.servers.model.backends.sources`: the counter solver, script files), so
 episodes have known rewards:
 
 - the chat route takes `messages` and `tools` and streams the reply as OpenAI does:
@@ -29,8 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from gymrpc.chat import ChatTokenizer, default_tokenizer, parse_reply
-from servers.model.backends.base import Conversation
-from servers.model.backends.sources import CounterSolver, ReplySource
+from gymrpc.servers.model.backends.base import Conversation
+from gymrpc.servers.model.backends.sources import CounterSolver, ReplySource
 
 _TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
 _TOOLS = re.compile(r"<tools>(\n\{.*?)\n</tools>", re.S)

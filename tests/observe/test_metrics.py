@@ -24,10 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from gymrpc.launch.spec import parse_stack_spec
 from gymrpc.registry import RegistryClient
 from gymrpc.rollouts.checkpointing import LATEST
+from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding, start_server
+from gymrpc.servers.registry.service import CONTROL_METHODS, RegistryServicer
 from gymrpc.v1 import registry_service_pb2 as registry_pb
 from gymrpc.v1 import registry_service_pb2_grpc as registry_grpc
-from servers.bootstrap import ServerConfig, ServiceBinding, start_server
-from servers.registry.service import CONTROL_METHODS, RegistryServicer
 from tests.rollouts.test_checkpointing import ROOT, SERVERS, argv, config, env, lines, wait
 
 MORE = ("--repeats", "8")

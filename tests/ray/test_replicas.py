@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import yaml
 
-from envs.counter import example_tasks_path
 from gymrpc.balancing import place
 from gymrpc.client import Client
+from gymrpc.envs.counter import example_tasks_path
 from gymrpc.launch.spec import parse_stack_spec
 from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir, write_marker
 from gymrpc.rollouts import EpisodeResult, Summary, load_tasks
-from servers.agent.state import session_id_for
+from gymrpc.servers.agent.state import session_id_for
 from tests.ray import episodes, sessions
 from tests.resume.helpers import POLICY
 
@@ -153,7 +153,7 @@ def test_an_agent_whose_resume_dir_is_unusable_exits_at_start_with_the_folder_an
     folder = run_dir / "file" / "store"
     argv = ["--registry", f"unix:{run_dir}/none.sock", "--resume-dir", str(folder)]
     result = subprocess.run(
-        [sys.executable, "-m", "servers.agent", *argv], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, "-m", "gymrpc.servers.agent", *argv], capture_output=True, text=True, cwd=ROOT, timeout=60
     )
     assert result.returncode == 2, result.stderr
     assert f"--resume-dir: checkpoint folder {folder} on " in result.stderr

@@ -1,4 +1,4 @@
-"""The real model server (`python -m servers.model`) that also appends each Generate's request id to a file.
+"""The real model server (`python -m gymrpc.servers.model`) that also appends each Generate's request id to a file.
 
 Test-only: proves which episodes made model calls (a cached episode must make none). The file
 is `$GYMRPC_TEST_MODEL_LOG`; one line per Generate the server received, retries included.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from servers.model import __main__ as model_main
-from servers.model.service import ModelServicer
+from gymrpc.servers.model import __main__ as model_main
+from gymrpc.servers.model.service import ModelServicer
 
 
 def main() -> None:

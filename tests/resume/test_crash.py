@@ -1,7 +1,7 @@
 """SIGKILL the agent at every kind of boundary: one `Client.run` call still returns the uninterrupted result.
 
 One stack holds an uninterrupted agent and one agent per crash point, each with its own
-resume folder and fault injection (`servers.agent.faults`): the agent kills itself right
+resume folder and fault injection (`gymrpc.servers.agent.faults`): the agent kills itself right
 after the durable save at that boundary (or while `Verify` is served), once. The supervisor
 restarts it on a new port under the same name; the trainer's pending `Client.run` follows
 the name, the restarted agent resumes from the record, and the result matches the baseline.

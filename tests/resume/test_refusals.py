@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 import pytest
 
 from gymrpc.errors import AlreadyExists, DataLoss, FailedPrecondition, GymrpcError, InvalidArgument
+from gymrpc.servers.agent.durable import ResumeConfig
+from gymrpc.servers.agent.service import AgentConfig, AgentServicer
+from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.store import FilesystemEpisodeStore
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from servers.agent.durable import ResumeConfig
-from servers.agent.service import AgentConfig, AgentServicer
-from servers.resources.service import ResourcesServicer
 from tests.agent.fakes import DirectStub, counter_resources, fake_model
 from tests.resume.helpers import POLICY, files, record, record_path, task
 from tests.resume.nosnap_env import NoSnapshotEnvironment
@@ -271,7 +271,7 @@ def test_agent_cli_refuses_bad_resume_settings(env: dict[str, str], argv: list[s
 
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run(
-        [sys.executable, "-m", "servers.agent", "--registry", "unix:/nonexistent", *argv],
+        [sys.executable, "-m", "gymrpc.servers.agent", "--registry", "unix:/nonexistent", *argv],
         capture_output=True,
         text=True,
         cwd=root,

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from envs.counter import example_tasks_path
+from gymrpc.envs.counter import example_tasks_path
 from gymrpc.rollouts.checkpointing import LATEST, STATE_FILE
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import envs.counter
+import gymrpc.envs.counter
 from gymrpc.errors import InvalidArgument
 from gymrpc.ids import check_id
 from gymrpc.rollouts import EpisodeResult, Progress, ResultWriter, Summary, TaskFileError, done_ids, load_tasks
@@ -19,11 +19,11 @@ from gymrpc.rollouts.tasks import id_prefix
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 
 ROOT = Path(__file__).resolve().parents[2]
-GOOD = envs.counter.example_tasks_path().read_text().splitlines()[0]
+GOOD = gymrpc.envs.counter.example_tasks_path().read_text().splitlines()[0]
 
 
 def test_example_tasks_load_with_deterministic_valid_ids() -> None:
-    tasks = load_tasks(envs.counter.example_tasks_path())
+    tasks = load_tasks(gymrpc.envs.counter.example_tasks_path())
     assert [t.index for t in tasks] == [0, 1, 2, 3, 4]
     assert [t.line for t in tasks] == [1, 2, 3, 4, 5]
     assert tasks[3].episode_id(2) == "example-t3-r2"
@@ -64,7 +64,7 @@ def test_missing_or_empty_file_and_bad_prefix(tmp_path: Path) -> None:
     with pytest.raises(TaskFileError, match="no task rows"):
         load_tasks(tmp_path / "empty.jsonl")
     with pytest.raises(TaskFileError, match="id prefix"):
-        load_tasks(envs.counter.example_tasks_path(), prefix="../etc")
+        load_tasks(gymrpc.envs.counter.example_tasks_path(), prefix="../etc")
     assert id_prefix("...") == "tasks"
     assert id_prefix("_x") == "t_x"
     assert len(id_prefix("a" * 300)) == 100
@@ -83,7 +83,7 @@ def test_cli_refuses_a_malformed_line_before_running_anything(tmp_path: Path) ->
 def test_cli_without_a_stack_says_so(tmp_path: Path) -> None:
     proc = _cli(
         "rollouts",
-        str(envs.counter.example_tasks_path()),
+        str(gymrpc.envs.counter.example_tasks_path()),
         "--out",
         str(tmp_path / "out.jsonl"),
         "--run-dir",
@@ -94,7 +94,7 @@ def test_cli_without_a_stack_says_so(tmp_path: Path) -> None:
 
 
 def _result(index: int, repeat: int, reward: float | None, latency: float) -> EpisodeResult:
-    task = load_tasks(envs.counter.example_tasks_path())[index]
+    task = load_tasks(gymrpc.envs.counter.example_tasks_path())[index]
     result = EpisodeResult(task, repeat, "agent/x", "", 1000.0, latency)
     if reward is None:
         result.error = InvalidArgument("bad task", reason="INVALID_TASK")
@@ -187,7 +187,7 @@ def test_a_cancel_grpc_swallows_still_stops_the_collection() -> None:
             return SwallowingAgent()
 
     async def main() -> list[str]:
-        tasks = load_tasks(envs.counter.example_tasks_path())
+        tasks = load_tasks(gymrpc.envs.counter.example_tasks_path())
         job = asyncio.ensure_future(collect(FakeClient(), tasks, concurrency=1))  # type: ignore[arg-type]
         await first_call.wait()
         job.cancel()

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import envs.counter
+import gymrpc.envs.counter
 from gymrpc.client import Client
 from gymrpc.rollouts import EpisodeResult, collect, load_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
-COUNTER_TASKS = envs.counter.example_tasks_path()
+COUNTER_TASKS = gymrpc.envs.counter.example_tasks_path()
 
 
 def _config(**model_args: Any) -> dict[str, Any]:

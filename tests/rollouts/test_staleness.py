@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-import envs.counter
+import gymrpc.envs.counter
 from gymrpc.client import Client
 from gymrpc.rollouts import EpisodeResult, collect, load_tasks
 from gymrpc.rollouts.report import Summary
@@ -53,7 +53,7 @@ async def _ledger_rows(client: Client) -> int:
 
 
 async def _run(run_dir: Path, stale: str) -> list[EpisodeResult]:
-    tasks = load_tasks(envs.counter.example_tasks_path())[:EPISODES]
+    tasks = load_tasks(gymrpc.envs.counter.example_tasks_path())[:EPISODES]
     async with Client(run_dir=run_dir) as client:
         collection = asyncio.ensure_future(
             collect(client, tasks, concurrency=EPISODES, max_policy_lag=1, stale=stale, id_prefix=f"stale-{stale}")
@@ -92,7 +92,7 @@ def test_episodes_three_versions_behind_are_flagged_or_restarted_and_counted(
 def test_rollouts_command_reports_staleness_in_its_summary(start_stack: Any, run_dir: Path, tmp_path: Path) -> None:
     stack = start_stack(_config(_weights(run_dir, "w0"), token_delay=0.0))
     out = tmp_path / "results.jsonl"
-    argv = [sys.executable, "-m", "gymrpc.cli", "rollouts", str(envs.counter.example_tasks_path())]
+    argv = [sys.executable, "-m", "gymrpc.cli", "rollouts", str(gymrpc.envs.counter.example_tasks_path())]
     argv += ["--run-dir", str(stack.run_dir), "--out", str(out), "--max-policy-lag", "1", "--stale", "restart"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 from typing import Any
 
-import envs.counter
+import gymrpc.envs.counter
 from gymrpc.client import Client
 from gymrpc.rollouts import collect, load_tasks
 
@@ -24,7 +24,7 @@ def test_each_prompt_begins_with_the_previous_prompt_and_completion(start_stack:
 
     async def main() -> list[Any]:
         async with Client(run_dir=stack.run_dir) as client:
-            return await collect(client, load_tasks(envs.counter.example_tasks_path()), agent="agent/simple")
+            return await collect(client, load_tasks(gymrpc.envs.counter.example_tasks_path()), agent="agent/simple")
 
     results = asyncio.run(main())
     assert results

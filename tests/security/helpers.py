@@ -1,6 +1,6 @@
 """Real server processes for the security probes, raw stubs, and what "nothing changed" compares.
 
-Each probe starts the role's own `python -m servers.<role>` (optionally under a memory ceiling,
+Each probe starts the role's own `python -m gymrpc.servers.<role>` (optionally under a memory ceiling,
 `RLIMIT_AS`, so a runaway read fails in the server instead of exhausting the machine), calls it
 with plain generated stubs so the test sees the wire status itself, and compares the server's
 state (participant status over gRPC, session snapshots, files) before and after.

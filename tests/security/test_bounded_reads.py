@@ -69,7 +69,11 @@ def test_hostile_records_files_are_refused_within_a_memory_ceiling(tmp_path: Pat
     os.mkfifo(fifo / "resources" / "r" / records_of(folder).name)
 
     server = ServerProcess(
-        "servers.resources", "resources/r", ["--environment", "counter"], tmp_path / "run", memory_limit=MEMORY_CEILING
+        "gymrpc.servers.resources",
+        "resources/r",
+        ["--environment", "counter"],
+        tmp_path / "run",
+        memory_limit=MEMORY_CEILING,
     )
 
     async def main() -> None:
@@ -115,7 +119,11 @@ def test_a_restore_read_stops_when_its_deadline_passes(tmp_path: Path) -> None:
     (part / "manifest.json").write_text(json.dumps(manifest))
 
     server = ServerProcess(
-        "servers.resources", "resources/r", ["--environment", "counter"], tmp_path / "run", memory_limit=MEMORY_CEILING
+        "gymrpc.servers.resources",
+        "resources/r",
+        ["--environment", "counter"],
+        tmp_path / "run",
+        memory_limit=MEMORY_CEILING,
     )
 
     async def main() -> None:

@@ -36,7 +36,9 @@ class Address:
 
 def start(names: tuple[str, ...], folder: Path) -> dict[str, ServerProcess]:
     return {
-        name: ServerProcess("servers.resources", name, ["--environment", "counter"], folder / name.replace("/", "_"))
+        name: ServerProcess(
+            "gymrpc.servers.resources", name, ["--environment", "counter"], folder / name.replace("/", "_")
+        )
         for name in names
     }
 

@@ -45,7 +45,9 @@ LONG_ID = "x" * 10_000
 
 @pytest.fixture
 def resources_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess("servers.resources", "resources/r", ["--environment", "counter"], tmp_path / "resources")
+    server = ServerProcess(
+        "gymrpc.servers.resources", "resources/r", ["--environment", "counter"], tmp_path / "resources"
+    )
     yield server
     server.stop()
 

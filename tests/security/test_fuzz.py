@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gymrpc.errors import DOMAIN
+from gymrpc.servers.registry.service import CONTROL_METHODS as REGISTRY_CONTROL
 from gymrpc.v1 import (
     agent_service_pb2,
     model_service_pb2,
@@ -38,7 +39,6 @@ from gymrpc.v1 import (
 )
 from gymrpc.v1 import participant_service_pb2 as pb
 from gymrpc.v1 import participant_service_pb2_grpc as pb_grpc
-from servers.registry.service import CONTROL_METHODS as REGISTRY_CONTROL
 from tests.security.helpers import CONTROL, ServerProcess, channel, error_info, healthy
 
 FAST_EXAMPLES = 8
@@ -168,14 +168,18 @@ class Stack:
 
     def __init__(self, folder: Path) -> None:
         socket = f"unix:{folder}/registry.sock"
-        self.registry = ServerProcess("servers.registry", "registry/main", ["--bind", socket], folder / "registry")
+        self.registry = ServerProcess(
+            "gymrpc.servers.registry", "registry/main", ["--bind", socket], folder / "registry"
+        )
         common = ["--registry", socket, "--checkpoint-lease-grace", "2"]
         self.resources = ServerProcess(
-            "servers.resources", "resources/r", ["--environment", "counter", *common], folder / "resources"
+            "gymrpc.servers.resources", "resources/r", ["--environment", "counter", *common], folder / "resources"
         )
-        self.model = ServerProcess("servers.model", "model/policy", ["--policy", "counter", *common], folder / "model")
+        self.model = ServerProcess(
+            "gymrpc.servers.model", "model/policy", ["--policy", "counter", *common], folder / "model"
+        )
         self.agent = ServerProcess(
-            "servers.agent",
+            "gymrpc.servers.agent",
             "agent/counter",
             ["--resources", "resources/r", "--model", "model/policy", *common],
             folder / "agent",

@@ -27,6 +27,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gymrpc import safejson
 from gymrpc.chat import ChatTokenizer, default_tokenizer
+from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding, start_server
+from gymrpc.servers.model.backends.scripted import ScriptedBackend
+from gymrpc.servers.model.backends.sources import CounterSolver
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gymrpc.v1 import common_pb2
@@ -35,10 +39,6 @@ from gymrpc.v1 import model_service_pb2_grpc as model_grpc
 from gymrpc.v1 import participant_service_pb2_grpc as pb_grpc
 from gymrpc.v1 import resources_service_pb2 as res_pb
 from gymrpc.v1 import resources_service_pb2_grpc as res_grpc
-from servers.bootstrap import ServerConfig, ServiceBinding, start_server
-from servers.model.backends.scripted import ScriptedBackend
-from servers.model.backends.sources import CounterSolver
-from servers.model.service import ModelServicer
 from tests.agent.fakes import counter_task
 from tests.control.test_bad_input import restore_request
 from tests.security.helpers import CONTROL, ServerProcess, channel, comparable, participant_status, refused
@@ -75,14 +75,16 @@ def generate_request(request_id: str, text: str = "add 4 then count", **fields: 
 
 @pytest.fixture
 def model_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess("servers.model", "model/policy", ["--policy", "counter"], tmp_path / "model")
+    server = ServerProcess("gymrpc.servers.model", "model/policy", ["--policy", "counter"], tmp_path / "model")
     yield server
     server.stop()
 
 
 @pytest.fixture
 def resources_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess("servers.resources", "resources/r", ["--environment", "counter"], tmp_path / "resources")
+    server = ServerProcess(
+        "gymrpc.servers.resources", "resources/r", ["--environment", "counter"], tmp_path / "resources"
+    )
     yield server
     server.stop()
 
@@ -232,10 +234,10 @@ def test_attempt_out_of_range_is_refused_everywhere(
     tmp_path: Path, model_server: ServerProcess, resources_server: ServerProcess
 ) -> None:
     registry = ServerProcess(
-        "servers.registry", "registry/main", ["--bind", f"unix:{tmp_path}/r.sock"], tmp_path / "reg"
+        "gymrpc.servers.registry", "registry/main", ["--bind", f"unix:{tmp_path}/r.sock"], tmp_path / "reg"
     )
     agent = ServerProcess(
-        "servers.agent",
+        "gymrpc.servers.agent",
         "agent/counter",
         ["--registry", f"unix:{tmp_path}/r.sock", "--resources", "resources/r", "--model", "model/policy"],
         tmp_path / "agent",

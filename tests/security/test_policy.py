@@ -1,4 +1,4 @@
-"""Who may call what (`servers.credentials`), which binds count as loopback, and the `tls:` config."""
+"""Who may call what (`gymrpc.servers.credentials`), which binds count as loopback, and the `tls:` config."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from gymrpc import auth
 from gymrpc.launch.spec import parse_stack_spec
+from gymrpc.servers.credentials import DataPlaneCredentials
 from gymrpc.tls import TlsFiles, is_loopback_bind
-from servers.credentials import DataPlaneCredentials
 
 STACK = "stack-token"
 SERVERS = [{"name": "resources/counter", "role": "resources"}]
@@ -29,7 +29,7 @@ def bearer(token: str | None) -> str | None:
         ("gymrpc.v1.ModelService", None, "UNAUTHENTICATED"),
         ("gymrpc.v1.ModelService", "guess", "UNAUTHENTICATED"),
         ("gymrpc.v1.ModelService", auth.role_token("other-stack", "agent"), "UNAUTHENTICATED"),
-        ("gymrpc.v1.ParticipantService", None, None),  # control calls: servers.guard checks them
+        ("gymrpc.v1.ParticipantService", None, None),  # control calls: gymrpc.servers.guard checks them
         ("grpc.health.v1.Health", None, None),
     ],
 )

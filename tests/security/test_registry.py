@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 
 from gymrpc.pbtime import duration
+from gymrpc.servers.bootstrap import node_address
 from gymrpc.v1 import registry_service_pb2 as pb
 from gymrpc.v1 import registry_service_pb2_grpc as pb_grpc
-from servers.bootstrap import node_address
 from tests.security.helpers import CONTROL, ServerProcess, channel, refused
 
 
@@ -32,10 +32,10 @@ async def resolve(registry: str, name: str) -> list[pb.Endpoint]:
 
 def test_a_live_servers_name_cannot_be_taken_and_a_restart_proves_its_lease(tmp_path: Path) -> None:
     socket = f"unix:{tmp_path}/registry.sock"
-    registry = ServerProcess("servers.registry", "registry/main", ["--bind", socket], tmp_path / "registry")
+    registry = ServerProcess("gymrpc.servers.registry", "registry/main", ["--bind", socket], tmp_path / "registry")
     lease_file = tmp_path / "counter.lease"
     args = ["--environment", "counter", "--registry", socket, "--lease-ttl", "300", "--lease-file", str(lease_file)]
-    server = ServerProcess("servers.resources", "resources/r", args, tmp_path / "r1")
+    server = ServerProcess("gymrpc.servers.resources", "resources/r", args, tmp_path / "r1")
     restarted = None
     try:
         assert oct(lease_file.stat().st_mode & 0o777) == "0o600"
@@ -65,7 +65,7 @@ def test_a_live_servers_name_cannot_be_taken_and_a_restart_proves_its_lease(tmp_
         server.process.wait()
         # Restarted with the same lease file: it registers at once (the helper waits for its ready file),
         # although the old lease has almost 300 s to run.
-        restarted = ServerProcess("servers.resources", "resources/r", args, tmp_path / "r2")
+        restarted = ServerProcess("gymrpc.servers.resources", "resources/r", args, tmp_path / "r2")
         [endpoint] = asyncio.run(resolve(socket, "resources/r"))
         assert endpoint.address == restarted.address != server.address
         assert lease_file.read_text().strip() != lease
@@ -76,7 +76,7 @@ def test_a_live_servers_name_cannot_be_taken_and_a_restart_proves_its_lease(tmp_
 
 
 def test_a_wildcard_bind_is_advertised_under_this_machines_address_with_a_warning(tmp_path: Path) -> None:
-    server = ServerProcess("servers.resources", "resources/w", ["--bind", "0.0.0.0:0"], tmp_path / "w")
+    server = ServerProcess("gymrpc.servers.resources", "resources/w", ["--bind", "0.0.0.0:0"], tmp_path / "w")
     try:
         host, _, port = server.address.rpartition(":")
         assert host == node_address()

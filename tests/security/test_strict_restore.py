@@ -29,8 +29,8 @@ GHOST = common_pb2.EpisodeId(rollout_id="ghost", attempt=0)
 def test_raw_restores_of_episodes_the_checkpoint_does_not_hold_are_not_found(tmp_path: Path) -> None:
     folder = asyncio.run(committed(tmp_path / "ckpt"))
     servers = [
-        ServerProcess("servers.resources", "resources/r", ["--environment", "counter"], tmp_path / "r"),
-        ServerProcess("servers.model", "model/m", ["--policy", "counter"], tmp_path / "m"),
+        ServerProcess("gymrpc.servers.resources", "resources/r", ["--environment", "counter"], tmp_path / "r"),
+        ServerProcess("gymrpc.servers.model", "model/m", ["--policy", "counter"], tmp_path / "m"),
     ]
 
     async def main() -> None:

@@ -153,7 +153,7 @@ def _non_loopback_ipv4() -> str | None:
 
 
 def _serve(bind: str, *flags: str, ready: Path) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "servers.resources", "--environment", "counter", "--name", "resources/counter",
+    argv = [sys.executable, "-m", "gymrpc.servers.resources", "--environment", "counter", "--name", "resources/counter",
             "--bind", bind, "--ready-file", str(ready), "--grace", "0", *flags]  # fmt: skip
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -90,7 +90,7 @@ def loop_thread() -> Iterator[LoopThread]:
 def random_backend(random_model: Path, loop_thread: LoopThread) -> Iterator[Any]:
     """One in-process engine on the random model, shared by every in-process test of the session."""
     from gymrpc.chat import default_tokenizer
-    from servers.model.backends.vllm import VllmBackend, VllmOptions
+    from gymrpc.servers.model.backends.vllm import VllmBackend, VllmOptions
 
     # Started on the test's thread, used on the loop's: AsyncLLM starts its output task lazily.
     backend = VllmBackend.start(VllmOptions(model=str(random_model), **ENGINE_OPTIONS), default_tokenizer())

@@ -16,7 +16,7 @@ import pytest
 
 from gymrpc.chat import ChatTemplate, default_tokenizer
 from gymrpc.errors import InvalidArgument
-from servers.model.backends.base import CompletionDelta, Finish, Sampling
+from gymrpc.servers.model.backends.base import CompletionDelta, Finish, Sampling
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -23,9 +23,9 @@ import httpx
 import pytest
 
 from gymrpc.chat import default_tokenizer
+from gymrpc.servers.model.backends.openai import OpenAIBackend
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import common_pb2
-from servers.model.backends.openai import OpenAIBackend
-from servers.model.service import ModelServicer
 from tests.model.conftest import counter_rows, play_counter  # noqa: F401 - fixtures used below
 from tests.vllm.helpers import OpenAIServer
 

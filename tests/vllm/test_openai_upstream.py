@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from gymrpc.chat import ChatTemplate, default_tokenizer
-from servers.model.backends.base import Completion, Finish, Sampling
-from servers.model.backends.openai import OpenAIBackend
+from gymrpc.servers.model.backends.base import Completion, Finish, Sampling
+from gymrpc.servers.model.backends.openai import OpenAIBackend
 from tests.vllm.helpers import OpenAIServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

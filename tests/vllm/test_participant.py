@@ -20,11 +20,11 @@ import pytest
 from gymrpc.chat import default_tokenizer
 from gymrpc.control import ControlPlane, EpisodeKey, Phase
 from gymrpc.errors import GymrpcError
+from gymrpc.servers.model.backends.base import CompletionDelta, Conversation, ModelBackend, Sampling
+from gymrpc.servers.model.participant import ModelParticipant
+from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
-from servers.model.backends.base import CompletionDelta, Conversation, ModelBackend, Sampling
-from servers.model.participant import ModelParticipant
-from servers.model.service import ModelServicer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

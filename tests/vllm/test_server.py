@@ -1,4 +1,4 @@
-"""A whole stack on real vLLM: `gymrpc up` with `python -m servers.model --backend vllm`.
+"""A whole stack on real vLLM: `gymrpc up` with `python -m gymrpc.servers.model --backend vllm`.
 
 The model is the tiny one fine-tuned on the first counter task, so an episode takes several
 turns (two increments, a read, an answer) and its token fields can be checked turn by turn.

@@ -22,10 +22,10 @@ import pytest
 
 from gymrpc.chat import ChatTemplate, default_tokenizer
 from gymrpc.errors import InvalidArgument
-from servers.model import spans as version_spans
-from servers.model.backends.base import Finish, Sampling
-from servers.model.weights.service import WeightsServicer
-from servers.model.weights.switch import Mode, WeightSwitch
+from gymrpc.servers.model import spans as version_spans
+from gymrpc.servers.model.backends.base import Finish, Sampling
+from gymrpc.servers.model.weights.service import WeightsServicer
+from gymrpc.servers.model.weights.switch import Mode, WeightSwitch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 

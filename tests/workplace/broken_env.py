@@ -16,8 +16,8 @@ from typing import Any
 
 import pandas as pd
 
-from envs.workplace_assistant import WorkplaceEnvironment, WorkplaceSession
 from gymrpc.envkit import TaskSpec, VerifyResult
+from gymrpc.envs.workplace_assistant import WorkplaceEnvironment, WorkplaceSession
 from gymrpc.snapshots import SessionTables
 
 

@@ -18,19 +18,19 @@ from typing import Any
 
 import pytest
 
-from envs.workplace_assistant import WorkplaceEnvironment
-from envs.workplace_assistant._data import TABLE_NAMES, seed_blocks
 from gymrpc.balancing import place
 from gymrpc.control import ControlPlane, EpisodeKey, Kind, Phase, store
 from gymrpc.control.plane import Placement
 from gymrpc.envkit import Environment
+from gymrpc.envs.workplace_assistant import WorkplaceEnvironment
+from gymrpc.envs.workplace_assistant._data import TABLE_NAMES, seed_blocks
 from gymrpc.errors import DataLoss, GymrpcError
+from gymrpc.servers.resources.participant import ResourcesParticipant, gate_servicer
+from gymrpc.servers.resources.service import SNAPSHOT_PROTOCOL_VERSION, ResourcesServicer
 from gymrpc.snapshots import frame_differences
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
-from servers.resources.participant import ResourcesParticipant, gate_servicer
-from servers.resources.service import SNAPSHOT_PROTOCOL_VERSION, ResourcesServicer
 from tests.workplace.broken_env import FailingVerifyWorkplaceEnvironment
 from tests.workplace.scenario import AFTER, BEFORE, Call, call_tools, task
 

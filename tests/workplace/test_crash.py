@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from envs.workplace_assistant._data import seed_blocks
 from gymrpc.client import Client
 from gymrpc.control import EpisodeKey, Kind, store
 from gymrpc.controller import Controller
+from gymrpc.envs.workplace_assistant._data import seed_blocks
 from gymrpc.errors import DataLoss, GymrpcError, NotFound
 from gymrpc.snapshots import delta_base
 from gymrpc.v1 import common_pb2

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from envs.workplace_assistant import LiveVerifyWorkplaceEnvironment, WorkplaceEnvironment, WorkplaceSession
-from envs.workplace_assistant._data import seed_blocks, seed_frames
 from gymrpc.envkit import SnapshotCorrupt, SnapshotUnsupported, TaskSpec, ToolError
+from gymrpc.envs.workplace_assistant import LiveVerifyWorkplaceEnvironment, WorkplaceEnvironment, WorkplaceSession
+from gymrpc.envs.workplace_assistant._data import seed_blocks, seed_frames
 from gymrpc.snapshots import (
     BlockStore,
     CheckpointInvalid,

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from envs.workplace_assistant import example_rollouts_path, example_tasks_path, rollout_tasks_path
 from gymrpc.client import Client
+from gymrpc.envs.workplace_assistant import example_rollouts_path, example_tasks_path, rollout_tasks_path
 from gymrpc.messages import task_from_row
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2

@@ -7,8 +7,13 @@ from typing import Any
 
 import pytest
 
-from envs.workplace_assistant import WorkplaceEnvironment, WorkplaceSession, example_rollouts_path, example_tasks_path
 from gymrpc.envkit import InvalidTask, TaskSpec, ToolError
+from gymrpc.envs.workplace_assistant import (
+    WorkplaceEnvironment,
+    WorkplaceSession,
+    example_rollouts_path,
+    example_tasks_path,
+)
 
 
 def _session(**fields: Any) -> WorkplaceSession:

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from envs.workplace_assistant.tools._base import Toolkit
-from envs.workplace_assistant.tools.analytics import AnalyticsTool
-from envs.workplace_assistant.tools.calendar import CalendarTool
-from envs.workplace_assistant.tools.customer_relationship_manager import CustomerRelationshipManagerTool
-from envs.workplace_assistant.tools.email import CompanyDirectoryTool, EmailTool
-from envs.workplace_assistant.tools.project_management import ProjectManagementTool
+from gymrpc.envs.workplace_assistant.tools._base import Toolkit
+from gymrpc.envs.workplace_assistant.tools.analytics import AnalyticsTool
+from gymrpc.envs.workplace_assistant.tools.calendar import CalendarTool
+from gymrpc.envs.workplace_assistant.tools.customer_relationship_manager import CustomerRelationshipManagerTool
+from gymrpc.envs.workplace_assistant.tools.email import CompanyDirectoryTool, EmailTool
+from gymrpc.envs.workplace_assistant.tools.project_management import ProjectManagementTool
 from gymrpc.snapshots import TableSet
 
 TOOLKIT_CLASSES: tuple[type[Toolkit], ...] = (

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from envs.workplace_assistant.tools._base import Table, Toolkit
+from gymrpc.envs.workplace_assistant.tools._base import Table, Toolkit
 
 _PLOT_VALUES = [
     "total_visits",

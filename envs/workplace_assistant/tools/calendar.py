@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from envs.workplace_assistant.tools._base import Table, Toolkit, new_row, paginate, pagination
+from gymrpc.envs.workplace_assistant.tools._base import Table, Toolkit, new_row, paginate, pagination
 
 _FIELDS = ["event_id", "event_name", "participant_email", "event_start", "duration"]
 _UPDATABLE = ["event_name", "participant_email", "event_start", "duration"]

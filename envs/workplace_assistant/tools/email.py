@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from envs.workplace_assistant.tools._base import (
+from gymrpc.envs.workplace_assistant.tools._base import (
     HARDCODED_CURRENT_TIME,
     Table,
     Toolkit,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from envs.workplace_assistant.tools._base import Table, Toolkit, new_row
+from gymrpc.envs.workplace_assistant.tools._base import Table, Toolkit, new_row
 
 _LISTS = ["Backlog", "In Progress", "In Review", "Completed"]
 _BOARDS = ["Back end", "Front end", "Design"]

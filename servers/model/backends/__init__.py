@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servers.model.backends.base import (
+from gymrpc.servers.model.backends.base import (
     Completion,
     CompletionDelta,
     Conversation,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gymrpc.errors import Unimplemented
-from servers.model.weights.folder import TensorSpec, WeightsFolder
+from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder
 
 
 class Finish(enum.Enum):
@@ -83,7 +83,7 @@ class Completion:
     continued_at: tuple[int, ...] = ()
     """Token offsets where a cut generation was continued by a new backend request (`continue_stream`)."""
     spans: tuple[tuple[str, int, int], ...] = ()
-    """(version, first token, last token) of each run of tokens one version produced (`servers.model.spans`)."""
+    """(version, first token, last token) of each run of tokens one version produced (`gymrpc.servers.model.spans`)."""
 
 
 @dataclass
@@ -130,7 +130,7 @@ class ModelBackend(abc.ABC):
         conversation: Conversation | None = None,
     ) -> Completion:
         """The whole completion; by default the stream, accumulated."""
-        from servers.model import spans as version_spans
+        from gymrpc.servers.model import spans as version_spans
 
         acc, finish, version = _Accumulator(), Finish.ABORT, ""
         spans: list[tuple[str, int, int]] = []
@@ -173,7 +173,7 @@ class ModelBackend(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or engines."""
 
-    # -- weight updates (`servers.model.weights`) ----------------------------------------------
+    # -- weight updates (`gymrpc.servers.model.weights`) ----------------------------------------------
     # An update is staged (read and checked, off the serving path; a failure changes nothing),
     # then applied inside a pause (`freeze`/`thaw` for KEEP). A backend that cannot load
     # weights says why in `weights_unsupported`; updates then fail with UNIMPLEMENTED.

@@ -50,7 +50,7 @@ from gymrpc.errors import (
     Unauthenticated,
     Unavailable,
 )
-from servers.model.backends.base import (
+from gymrpc.servers.model.backends.base import (
     Completion,
     CompletionDelta,
     Conversation,
@@ -58,8 +58,8 @@ from servers.model.backends.base import (
     ModelBackend,
     Sampling,
 )
-from servers.model.backends.vllm_weights import WEIGHTS_EXTENSION
-from servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
+from gymrpc.servers.model.backends.vllm_weights import WEIGHTS_EXTENSION
+from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
 
 log = logging.getLogger(__name__)
 

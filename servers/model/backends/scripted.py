@@ -17,9 +17,9 @@ from typing import Any
 
 from gymrpc.chat import ChatTokenizer
 from gymrpc.errors import FailedPrecondition
-from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
-from servers.model.backends.sources import ReplySource
-from servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
+from gymrpc.servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
+from gymrpc.servers.model.backends.sources import ReplySource
+from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
 
 
 class ScriptedBackend(ModelBackend):

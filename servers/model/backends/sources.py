@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gymrpc.chat import assistant_body
-from servers.model.backends.base import Conversation
+from gymrpc.servers.model.backends.base import Conversation
 
 
 class ReplySource(Protocol):

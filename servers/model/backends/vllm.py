@@ -47,9 +47,9 @@ from typing import Any, Literal
 
 from gymrpc.chat import ChatTokenizer
 from gymrpc.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, Unavailable
-from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
-from servers.model.backends.vllm_weights import WEIGHTS_EXTENSION
-from servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
+from gymrpc.servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
+from gymrpc.servers.model.backends.vllm_weights import WEIGHTS_EXTENSION
+from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class VllmBackend(ModelBackend):
     def in_flight(self) -> int:
         return len(self._runs)
 
-    # -- weight updates (`servers.model.weights`) ----------------------------------------------
+    # -- weight updates (`gymrpc.servers.model.weights`) ----------------------------------------------
 
     def weights_unsupported(self) -> str | None:
         if not self.supports_pause:
@@ -543,7 +543,7 @@ def start_reaper() -> subprocess.Popen[bytes] | None:
     )
 
 
-# -- command line (`python -m servers.model --backend vllm ...`) ----------------------------------
+# -- command line (`python -m gymrpc.servers.model --backend vllm ...`) ----------------------------------
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:

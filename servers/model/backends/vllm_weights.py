@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-WEIGHTS_EXTENSION = "servers.model.backends.vllm_weights.WeightsExtension"
+WEIGHTS_EXTENSION = "gymrpc.servers.model.backends.vllm_weights.WeightsExtension"
 """The `worker_extension_cls` value (`vllm serve --worker-extension-cls ...` for an upstream)."""
 
 

@@ -28,12 +28,12 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from gymrpc.control import ControlPlane
 from gymrpc.control.types import Phase
 from gymrpc.errors import Aborted, InvalidArgument, Unimplemented
+from gymrpc.servers.bootstrap import ServiceBinding
+from gymrpc.servers.model.weights import upload
+from gymrpc.servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES, WeightsFolder, check_matches, open_folder
+from gymrpc.servers.model.weights.switch import Applied, Mode, WeightSwitch
 from gymrpc.v1 import weights_service_pb2 as pb
 from gymrpc.v1 import weights_service_pb2_grpc as pb_grpc
-from servers.bootstrap import ServiceBinding
-from servers.model.weights import upload
-from servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES, WeightsFolder, check_matches, open_folder
-from servers.model.weights.switch import Applied, Mode, WeightSwitch
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["WeightsService"]

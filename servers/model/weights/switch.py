@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gymrpc.errors import Unavailable
-from servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
-from servers.model.weights.folder import TensorSpec, WeightsFolder
+from gymrpc.servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
+from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder
 
 HISTORY = 1024
 """Versions `versions` remembers."""

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from gymrpc.errors import InvalidArgument
+from gymrpc.servers.model.weights.folder import MAX_FILES, check_file_name, corrupt
 from gymrpc.v1 import weights_service_pb2 as pb
-from servers.model.weights.folder import MAX_FILES, check_file_name, corrupt
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
 """Largest `WeightsChunk.data`; a client sends files in slices of at most this."""
