@@ -103,6 +103,8 @@ class _Bearer:
         self._metadata = (("authorization", "Bearer " + token),)
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        if any(key == "authorization" for key, _ in details.metadata or ()):
+            return details  # the call brought its own credential (a control token, or a wrong one on purpose)
         metadata = tuple(details.metadata or ()) + self._metadata
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready

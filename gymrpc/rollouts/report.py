@@ -276,6 +276,7 @@ def result_from_line(record: dict[str, Any]) -> EpisodeResult:
         e = record["error"]
         error = error_class(grpc.StatusCode[e["code"]])(e["message"], reason=e.get("reason") or None)
     started = float(record["started_at"])
+    weights = record.get("weights") or {}
     return EpisodeResult(
         task,
         int(record.get("repeat", 0)),
@@ -285,7 +286,10 @@ def result_from_line(record: dict[str, Any]) -> EpisodeResult:
         float(record.get("finished_at", started)) - started,
         trajectory,
         error,
-        record.get("checkpoint"),
+        policy_lag=weights.get("policy_lag"),
+        stale=bool(weights.get("stale", False)),
+        stale_restarts=int(weights.get("stale_restarts", 0)),
+        checkpoint=record.get("checkpoint"),
     )
 
 

@@ -181,6 +181,11 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """A checkpoint was taken under other weights than the ones loaded now; the
     message names both. Code FAILED_PRECONDITION.
     """
+    ERROR_REASON_REGISTRY_UNAVAILABLE: _ErrorReason.ValueType  # 53
+    """The registry itself does not answer: the whole stack is gone, not one
+    server restarting (that one answers NOT_FOUND LEASE_EXPIRED and comes
+    back). Code UNAVAILABLE.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -350,5 +355,10 @@ sha256. Nothing was loaded. Code INVALID_ARGUMENT.
 ERROR_REASON_WEIGHT_VERSION_MISMATCH: ErrorReason.ValueType  # 52
 """A checkpoint was taken under other weights than the ones loaded now; the
 message names both. Code FAILED_PRECONDITION.
+"""
+ERROR_REASON_REGISTRY_UNAVAILABLE: ErrorReason.ValueType  # 53
+"""The registry itself does not answer: the whole stack is gone, not one
+server restarting (that one answers NOT_FOUND LEASE_EXPIRED and comes
+back). Code UNAVAILABLE.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

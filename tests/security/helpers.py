@@ -26,7 +26,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from gymrpc.channels import service_channel_options
+from gymrpc.channels import bearer_interceptors, service_channel_options
 from gymrpc.errors import DOMAIN
 from gymrpc.v1 import participant_service_pb2 as pb
 from gymrpc.v1 import participant_service_pb2_grpc as pb_grpc
@@ -102,7 +102,10 @@ class ServerProcess:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=service_channel_options())
+    """A raw channel whose calls carry the stack token unless they bring their own credential."""
+    return grpc.aio.insecure_channel(
+        address, options=service_channel_options(), interceptors=bearer_interceptors(TOKEN)
+    )
 
 
 def error_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:

@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gymrpc import safejson
 from gymrpc.chat import ChatTokenizer, default_tokenizer
+from gymrpc.registry import RegistryClient
 from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding, start_server
 from gymrpc.servers.model.backends.scripted import ScriptedBackend
 from gymrpc.servers.model.backends.sources import CounterSolver
@@ -41,7 +42,7 @@ from gymrpc.v1 import resources_service_pb2 as res_pb
 from gymrpc.v1 import resources_service_pb2_grpc as res_grpc
 from tests.agent.fakes import counter_task
 from tests.control.test_bad_input import restore_request
-from tests.security.helpers import CONTROL, ServerProcess, channel, comparable, participant_status, refused
+from tests.security.helpers import CONTROL, TOKEN, ServerProcess, channel, comparable, participant_status, refused
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -140,7 +141,7 @@ def test_tokenising_runs_off_the_event_loop() -> None:
             servicer,
             model_grpc.add_ModelServiceServicer_to_server,
         )
-        running = await start_server(ServerConfig(name="model/gated", token="t"), [binding])
+        running = await start_server(ServerConfig(name="model/gated", token=TOKEN), [binding])
         try:
             async with channel(running.address) as ch:
                 model = model_grpc.ModelServiceStub(ch)
@@ -236,6 +237,14 @@ def test_attempt_out_of_range_is_refused_everywhere(
     registry = ServerProcess(
         "gymrpc.servers.registry", "registry/main", ["--bind", f"unix:{tmp_path}/r.sock"], tmp_path / "reg"
     )
+
+    async def register_dependencies() -> None:
+        """The agent reports ready only once the names it calls resolve."""
+        async with RegistryClient(f"unix:{tmp_path}/r.sock", token=TOKEN) as names:
+            await names.register("resources/r", resources_server.address, ttl=600)
+            await names.register("model/policy", model_server.address, ttl=600)
+
+    asyncio.run(register_dependencies())
     agent = ServerProcess(
         "gymrpc.servers.agent",
         "agent/counter",

@@ -76,7 +76,9 @@ def test_a_live_servers_name_cannot_be_taken_and_a_restart_proves_its_lease(tmp_
 
 
 def test_a_wildcard_bind_is_advertised_under_this_machines_address_with_a_warning(tmp_path: Path) -> None:
-    server = ServerProcess("gymrpc.servers.resources", "resources/w", ["--bind", "0.0.0.0:0"], tmp_path / "w")
+    server = ServerProcess(
+        "gymrpc.servers.resources", "resources/w", ["--bind", "0.0.0.0:0", "--insecure"], tmp_path / "w"
+    )
     try:
         host, _, port = server.address.rpartition(":")
         assert host == node_address()

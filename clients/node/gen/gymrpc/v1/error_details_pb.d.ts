@@ -419,6 +419,15 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_WEIGHT_VERSION_MISMATCH = 52;
    */
   WEIGHT_VERSION_MISMATCH = 52,
+
+  /**
+   * The registry itself does not answer: the whole stack is gone, not one
+   * server restarting (that one answers NOT_FOUND LEASE_EXPIRED and comes
+   * back). Code UNAVAILABLE.
+   *
+   * @generated from enum value: ERROR_REASON_REGISTRY_UNAVAILABLE = 53;
+   */
+  REGISTRY_UNAVAILABLE = 53,
 }
 
 /**
