@@ -20,7 +20,7 @@ installs fail. After every step it checks the invariants of the reference's simu
 
 A failure prints the seed and the step log; re-run one seed with `SIM_SEED=N` (`SIM_TIMES=1` adds
 each step's duration to the log). The default tier
-runs 20 seeds of 40 steps; the slow tier 200 more (`SIM_SLOW_SEEDS` changes that).
+runs 20 seeds of 40 steps; the slow tier 60 more (`SIM_SLOW_SEEDS` changes that).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ MODELS = tuple(n for n in NAMES if n.startswith("model/"))
 RETIRE_STAGE = {kind: stage for stage, kinds in enumerate(RETIRE_ORDER) for kind in kinds}
 STEPS = 40
 FAST_SEEDS = 20
-SLOW_SEEDS = int(os.environ.get("SIM_SLOW_SEEDS", "200"))
+SLOW_SEEDS = int(os.environ.get("SIM_SLOW_SEEDS", "60"))
 MISS, SHORT, LONG = 0.05, 0.15, 3.0
 """Control deadlines: a prepare with a blocker misses MISS and a hung write SHORT on purpose; LONG never."""
 
