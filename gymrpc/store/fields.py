@@ -42,41 +42,72 @@ def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
             raise WireError("varint too long")
 
 
-def split(data: bytes) -> Fields:
-    """Entries of each top-level field, in the order they appear."""
+def _entry(data: bytes, start: int, end: int) -> tuple[int, int]:
+    """The field number of the top-level entry at `start`, and where it ends."""
+    pos = start
+    tag = data[pos]
+    pos += 1
+    if tag >= 0x80:  # one-byte tags (fields 1-15) are the common case
+        tag, pos = _varint(data, start)
+    wire = tag & 7
+    if wire == 2:
+        size = data[pos] if pos < end else 0
+        pos += 1
+        if size >= 0x80:
+            size, pos = _varint(data, pos - 1)
+        pos += size
+    elif wire == 0:
+        while pos < end and data[pos] >= 0x80:
+            pos += 1
+        pos += 1
+    elif wire == 1:
+        pos += 8
+    elif wire == 5:
+        pos += 4
+    else:
+        raise WireError(f"wire type {wire} at byte {start}")
+    number = tag >> 3
+    if pos > end or number == 0:
+        raise WireError(f"field at byte {start} runs past the end")
+    return number, pos
+
+
+def split(data: bytes, like: Fields | None = None) -> Fields:
+    """Entries of each top-level field, in the order they appear.
+
+    `like` (the split of a previous revision) makes it cheap: where the next bytes are an old
+    field's entries (all of them: a repeated field that only grew starts with them), those
+    entries are what a parse would find (entries are self-delimiting), so they are reused
+    (the same bytes objects: `diff` then compares by identity) instead of parsed in Python.
+    Which old field is tried next is only a guess; a wrong guess costs a parse, never a wrong
+    result.
+    """
     fields: Fields = {}
     pos, end = 0, len(data)
+    prev = list(like.items()) if like else []
+    i, count = 0, len(prev)
     while pos < end:
+        if i < count:
+            number, old = prev[i]
+            blob = old[0] if len(old) == 1 else b"".join(old)
+            if data.startswith(blob, pos):
+                pos += len(blob)
+                i += 1
+                entries = fields.get(number)
+                if entries is None:
+                    fields[number] = list(old)
+                else:
+                    entries.extend(old)
+                continue
         start = pos
-        tag = data[pos]
-        pos += 1
-        if tag >= 0x80:  # one-byte tags (fields 1-15) are the common case
-            tag, pos = _varint(data, start)
-        wire = tag & 7
-        if wire == 2:
-            size = data[pos] if pos < end else 0
-            pos += 1
-            if size >= 0x80:
-                size, pos = _varint(data, pos - 1)
-            pos += size
-        elif wire == 0:
-            while pos < end and data[pos] >= 0x80:
-                pos += 1
-            pos += 1
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        else:
-            raise WireError(f"wire type {wire} at byte {start}")
-        number = tag >> 3
-        if pos > end or number == 0:
-            raise WireError(f"field at byte {start} runs past the end")
+        number, pos = _entry(data, start, end)
         entries = fields.get(number)
         if entries is None:
             fields[number] = [data[start:pos]]
         else:
             entries.append(data[start:pos])
+        while i < count and prev[i][0] <= number:  # past this field: its old entries changed
+            i += 1
     return fields
 
 

@@ -471,7 +471,7 @@ class LogEpisodeStore(EpisodeStore):
         record.updated_at.FromNanoseconds(time.time_ns())
         try:
             data = record.SerializeToString(deterministic=True)
-            state = fields.split(data) if self.full_every else None
+            state = fields.split(data, held.base) if self.full_every else None
             version, expires = held.source.version + 1, codec.expires_at_ns(record)
             kind, payload = frames.FULL, data
             if state is not None and held.base is not None and held.deltas < self.full_every:

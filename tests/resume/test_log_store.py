@@ -469,3 +469,23 @@ def test_a_lease_taken_before_a_compaction_still_loads_its_record(tmp_path: Path
         await again.close()
 
     asyncio.run(scenario())
+
+
+def test_a_split_reusing_an_older_revision_equals_a_plain_split() -> None:
+    """Reusing entries of another revision (any: older, newer, unrelated) never changes the split."""
+    from gymrpc.store import fields
+
+    revisions = []
+    record = _record("rid-split", step=1)
+    for step in range(6):
+        record.revision = step
+        record.updated_at.FromNanoseconds(1_000 + step)
+        record.messages.add(role=common_pb2.ROLE_USER, content=f"turn {step}")
+        if step == 3:
+            record.messages[0].content = "rewritten"
+        revisions.append(record.SerializeToString(deterministic=True))
+    splits = [fields.split(data) for data in revisions]
+    for data, plain in zip(revisions, splits, strict=True):
+        for like in [*splits, {}, {1: [b"\x0a\x00"]}]:
+            assert fields.split(data, like) == plain
+            assert fields.join(fields.split(data, like)) == data
