@@ -34,6 +34,7 @@ from gymrpc.store import (  # noqa: E402
     EpisodeStore,
     FilesystemEpisodeStore,
     LogEpisodeStore,
+    fields,
 )
 from gymrpc.v1 import agent_service_pb2 as agent_pb  # noqa: E402
 from gymrpc.v1 import common_pb2  # noqa: E402
@@ -153,6 +154,31 @@ async def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     return results
 
 
+def split_cost(steps: int, repeats: int = 200) -> dict[str, float]:
+    """CPU per boundary of the field split + diff of an episode of `steps` boundaries: every
+    record split from scratch against split reusing the previous boundary's split (what
+    LogEpisodeStore.save does), measured back to back in this process."""
+    record, revisions = fresh("split"), []
+    for step in range(steps):
+        boundary(record, step)
+        record.revision, _ = step, record.updated_at.FromNanoseconds(10**18 + step)
+        revisions.append(record.SerializeToString(deterministic=True))
+
+    def run(reuse: bool) -> float:
+        started = time.process_time()
+        for _ in range(repeats):
+            base: fields.Fields | None = None
+            for data in revisions:
+                state = fields.split(data, base if reuse else None)
+                if base is not None:
+                    fields.diff(base, state)
+                base = state
+        return (time.process_time() - started) / (repeats * steps) * 1e6
+
+    plain, reusing = run(False), run(True)
+    return {"steps": steps, "plain_us": plain, "reusing_us": reusing, "record_bytes": len(revisions[-1])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short run (smoke tests)")
@@ -183,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(log-whole {results['log-whole']['boundaries_per_s'] / files['boundaries_per_s']:.1f}x); "
         f"log at {log['boundaries_per_s'] / log['writes_per_batch'] / disk['batches_per_s']:.2f}x the disk's batch rate"
     )
+    results["split"] = [split_cost(steps) for steps in (args.boundaries, 64)]
+    for r in results["split"]:
+        print(
+            f"split+diff over {r['steps']:3d} boundaries (last record {r['record_bytes']} B): "
+            f"{r['plain_us']:.1f} us per boundary from scratch, {r['reusing_us']:.1f} us reusing the previous split "
+            f"(RATIO {r['plain_us'] / r['reusing_us']:.2f}x)"
+        )
     if args.json:
         args.json.write_text(
             json.dumps(
