@@ -106,6 +106,23 @@ def changed_rows(base: pd.DataFrame, frame: pd.DataFrame) -> list[int]:
     return np.flatnonzero(~_unchanged(base, positions, frame)).tolist()
 
 
+def _runs(from_base: np.ndarray, positions: np.ndarray) -> list[list[int]]:
+    """The row order as runs, computed on arrays (no per-row Python): a run breaks where the
+    source changes or, within base rows, where the base positions stop being consecutive."""
+    n = len(from_base)
+    if n == 0:
+        return []
+    breaks = np.ones(n, dtype=bool)
+    breaks[1:] = (from_base[1:] != from_base[:-1]) | (from_base[1:] & (positions[1:] != positions[:-1] + 1))
+    starts = np.flatnonzero(breaks)
+    counts = np.diff(np.append(starts, n))
+    row_at = np.cumsum(~from_base) - 1  # position of each changed row among the new rows
+    base_run = from_base[starts]
+    first = np.where(base_run, positions[starts], row_at[starts])
+    kinds = np.where(base_run, _BASE, _ROWS)
+    return np.stack([kinds, first, counts], axis=1).astype(np.int64).tolist()
+
+
 def encode_delta(base: pd.DataFrame, base_digest: str, frame: pd.DataFrame) -> bytes | None:
     """A delta block turning `base` (the table of block `base_digest`) into `frame`, or None if none applies."""
     if not base.columns.equals(frame.columns) or list(base.dtypes) != list(frame.dtypes):
@@ -114,24 +131,10 @@ def encode_delta(base: pd.DataFrame, base_digest: str, frame: pd.DataFrame) -> b
         return None
     positions = base.index.get_indexer(frame.index)
     from_base = _unchanged(base, positions, frame)
-    runs: list[list[int]] = []
-    new_rows: list[int] = []
-    for i in range(len(frame)):
-        if from_base[i]:
-            p = int(positions[i])
-            if runs and runs[-1][0] == _BASE and runs[-1][1] + runs[-1][2] == p:
-                runs[-1][2] += 1
-            else:
-                runs.append([_BASE, p, 1])
-        else:
-            k = len(new_rows)
-            new_rows.append(i)
-            if runs and runs[-1][0] == _ROWS:
-                runs[-1][2] += 1
-            else:
-                runs.append([_ROWS, k, 1])
+    new_rows = np.flatnonzero(~from_base)
     if len(new_rows) * 2 > len(frame):
         return None  # most rows changed: the whole table is as small and simpler
+    runs = _runs(from_base, positions)
     index: dict[str, Any] = {"kind": "labels"}
     if isinstance(frame.index, pd.RangeIndex):
         index = {"kind": "range", "start": frame.index.start, "stop": frame.index.stop, "step": frame.index.step}
