@@ -13,9 +13,13 @@ from the tokens already streamed (`ModelBackend.continue_stream`: prompt + parti
 `chat` (OpenAI itself, hosted endpoints, servers without token-id completions): the
 structured messages and tools go to `/v1/chat/completions` (streaming) and the reply's
 content and structured tool calls are written back in this server's template format
-and tokenised by this server, so the trace is honest only as text: it is flagged
-`TOKEN_SOURCE_RETOKENIZED` (`retokenized`), without logprobs. Replies are whole
-messages: a cut chat generation keeps nothing and is generated again.
+and tokenised by this server, so the ids are honest only as text: they are flagged
+`TOKEN_SOURCE_RETOKENIZED` (`retokenized`) and `completion_logprobs` stays empty. Where
+the upstream accepts `logprobs: true` (probed; refused: asked without, logged once), its
+streamed `choices[].logprobs.content[]` (token piece, `bytes`, `logprob`) are kept as the
+trace's `sampler_tokens`/`sampler_logprobs`: the sampler's logprobs, in the sampler's own
+tokenisation, which the re-tokenised ids do not align with. Replies are whole messages:
+a cut chat generation keeps nothing and is generated again.
 
 `probe()` (run by the server before it binds) probes the upstream (`/v1/models`, a one-token token-id completion, a
 one-token chat completion), picks the mode for `auto`, refuses a forced mode the
@@ -84,6 +88,8 @@ class Capabilities:
     token_completions_why: str = ""
     chat: bool | None = None
     chat_why: str = ""
+    chat_logprobs: bool | None = None
+    """`/v1/chat/completions` accepts `logprobs: true` (None: not probed)."""
 
     def summary(self, mode: str, dev_abort: bool) -> str:
         def say(ok: bool | None, what: str, why: str) -> str:
@@ -96,6 +102,7 @@ class Capabilities:
                 f"mode {mode}",
                 say(self.token_completions, "token-id completions", self.token_completions_why),
                 say(self.chat, "chat completions", self.chat_why),
+                say(self.chat_logprobs, "chat logprobs", "refused; chat traces carry none"),
                 f"abort: {'/abort_requests' if dev_abort else 'by disconnecting (partials kept from the stream)'}",
                 f"models: {', '.join(self.models[:5]) or '-'}",
             )
@@ -118,6 +125,7 @@ class OpenAIBackend(ModelBackend):
         tokenizer: ChatTokenizer | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         weights_model: Path | None = None,
+        chat_logprobs: bool | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -134,6 +142,9 @@ class OpenAIBackend(ModelBackend):
         self.tokenizer = tokenizer
         self.timeout = timeout
         self.capabilities = Capabilities()
+        self.chat_logprobs: bool | None = chat_logprobs
+        """Ask chat upstreams for `logprobs` (None: yes, unless the probe or a reply says they refuse)."""
+        self._chat_logprobs_ok = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
         self._aborts: dict[str, asyncio.Event] = {}
@@ -183,7 +194,11 @@ class OpenAIBackend(ModelBackend):
             chat_why = ""
             if self.requested_mode != "tokens" or not tokens_ok:
                 chat_ok, chat_why = await self._probe_chat(self.model)
-            self.capabilities = Capabilities(models, tokens_ok, tokens_why, chat_ok, chat_why)
+                if chat_ok and self.chat_logprobs is None:
+                    self.chat_logprobs = self._chat_logprobs_ok
+            self.capabilities = Capabilities(
+                models, tokens_ok, tokens_why, chat_ok, chat_why, self.chat_logprobs if chat_ok else None
+            )
             if self.requested_mode == "tokens" and not tokens_ok:
                 raise FailedPrecondition(
                     f"--upstream-mode tokens: {where} has no working POST {COMPLETIONS} with token-id prompts "
@@ -232,7 +247,20 @@ class OpenAIBackend(ModelBackend):
         return True, ""
 
     async def _probe_chat(self, model: str) -> tuple[bool, str]:
-        body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+        """A one-token chat completion, asking for logprobs first, then (refused) without."""
+        body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+        self._chat_logprobs_ok = False
+        if self.chat_logprobs is not False:
+            try:
+                _first_choice(await self._post_json(CHAT, {**body, "logprobs": True}))
+                self._chat_logprobs_ok = True
+                return True, ""
+            except (Unauthenticated, PermissionDenied):
+                raise
+            except GymrpcError as exc:
+                if exc.reason != "UPSTREAM_REJECTED":
+                    return False, f"POST {CHAT}: {exc.message}"
+                log.warning("upstream %s refuses chat logprobs (%s); traces carry none", self.base_url, exc.message)
         try:
             _first_choice(await self._post_json(CHAT, body))
         except (Unauthenticated, PermissionDenied):
@@ -342,6 +370,10 @@ class OpenAIBackend(ModelBackend):
             "max_tokens": sampling.max_tokens,
             "stream": True,
         }
+        if self.chat_logprobs is not False:
+            body["logprobs"] = True
+            if sampling.top_logprobs:
+                body["top_logprobs"] = sampling.top_logprobs
         if conversation.tools:
             body["tools"] = [dict(t) for t in conversation.tools]
         if sampling.stop:
@@ -363,7 +395,16 @@ class OpenAIBackend(ModelBackend):
         aborted = self._aborts.setdefault(request_id, asyncio.Event())
         reply = _ChatReply()
         try:
-            async with self._open_stream(CHAT, body, aborted) as r:
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    r = await stack.enter_async_context(self._open_stream(CHAT, body, aborted))
+                except InvalidArgument as exc:
+                    if "logprobs" not in body or exc.reason != "UPSTREAM_REJECTED" or self.chat_logprobs:
+                        raise
+                    self.chat_logprobs = False  # not probed: refused once, asked without from now on
+                    log.warning("upstream %s refuses chat logprobs (%s); traces carry none", self.base_url, exc.message)
+                    body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+                    r = await stack.enter_async_context(self._open_stream(CHAT, body, aborted))
                 async for data in _events(r, aborted):
                     if data.get("choices"):
                         reply.add(data["choices"][0])
@@ -375,7 +416,7 @@ class OpenAIBackend(ModelBackend):
         ids = self.tokenizer.encode(assistant_body(reply.message()))
         if reply.finish is not Finish.LENGTH:
             ids.append(self.tokenizer.im_end_id)
-        yield CompletionDelta(tuple(ids), None, reply.finish, self.weight_version)
+        yield CompletionDelta(tuple(ids), None, reply.finish, self.weight_version, tuple(reply.sampler))
 
     async def continue_stream(
         self,
@@ -574,6 +615,8 @@ class _ChatReply:
         self.reasoning: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
         self.finish: Finish | None = None
+        self.sampler: list[tuple[bytes, float]] = []
+        """The upstream's (token bytes, logprob) for each token it streamed logprobs for."""
 
     def add(self, choice: Mapping[str, Any]) -> None:
         delta = choice.get("delta") or choice.get("message") or {}
@@ -588,6 +631,8 @@ class _ChatReply:
             function = call.get("function") or {}
             slot["name"] += function.get("name") or ""
             slot["arguments"] += function.get("arguments") or ""
+        for entry in (choice.get("logprobs") or {}).get("content") or ():
+            self.sampler.append(_sampler_token(entry))
         reason = choice.get("finish_reason")
         if reason is not None:
             self.finish = _FINISH.get(str(reason), Finish.STOP)
@@ -600,6 +645,16 @@ class _ChatReply:
                 arguments = json.dumps(json.loads(arguments), ensure_ascii=False)  # canonical spacing
             calls.append({"function": {"name": call["name"], "arguments": arguments}})
         return {"content": "".join(self.content), "reasoning_content": "".join(self.reasoning), "tool_calls": calls}
+
+
+def _sampler_token(entry: Mapping[str, Any]) -> tuple[bytes, float]:
+    """One `logprobs.content[]` entry: the token's bytes (`bytes` if given, else its text) and logprob."""
+    try:
+        raw = entry.get("bytes")
+        token = bytes(raw) if raw is not None else str(entry.get("token", "")).encode()
+        return token, float(entry["logprob"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise Internal(f"upstream chat logprobs entry is malformed: {str(entry)[:200]} ({exc!r})") from None
 
 
 def _upstream_message(message: Mapping[str, Any]) -> dict[str, Any]:
