@@ -98,7 +98,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 f"{self.limits.max_prompt_tokens}",
                 metadata={"field": "messages"},
             )
-        conversation = Conversation(checked.messages, checked.tools, checked.rollout_id)
+        conversation = Conversation(checked.messages, checked.tools, checked.rollout_id, self.template.default_system)
         args = (prompt, checked.sampling, checked.request_id)
         token_ids: list[int] = []
         logprobs: list[float] | None = []

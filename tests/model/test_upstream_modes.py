@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gymrpc.chat import default_tokenizer
+from gymrpc.chat import DEFAULT_SYSTEM, default_tokenizer
 from gymrpc.control import ControlPlane, Phase
 from gymrpc.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unauthenticated
 from gymrpc.servers.model.backends.base import Conversation, Sampling
@@ -127,6 +127,7 @@ def test_chat_mode_plays_a_counter_episode_with_structured_tool_calls(
     assert sent[0]["logprobs"] is True
     assert "top_logprobs" not in sent[0]
     assert sent[0]["tools"][0]["type"] == "function"
+    assert sent[0]["messages"][0] == {"role": "system", "content": DEFAULT_SYSTEM}  # what tokens mode renders
     assistant = next(m for m in sent[1]["messages"] if m["role"] == "assistant")
     assert assistant["tool_calls"][0]["function"]["name"] == "increment_counter"  # structured, not template text
 

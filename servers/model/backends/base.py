@@ -51,6 +51,8 @@ class Conversation:
     messages: Sequence[Mapping[str, Any]]
     tools: Sequence[Mapping[str, Any]] = ()
     rollout_id: str = ""
+    default_system: str = ""
+    """The system prompt the server's template renders when `messages` has none (chat mode sends it)."""
 
     def first_user_text(self) -> str:
         return next((m.get("content") or "" for m in self.messages if m.get("role") == "user"), "")

@@ -364,9 +364,13 @@ class OpenAIBackend(ModelBackend):
     # -- chat mode -----------------------------------------------------------------------
 
     def chat_body(self, conversation: Conversation, sampling: Sampling, model: str) -> dict[str, Any]:
+        messages = [_upstream_message(m) for m in conversation.messages]
+        if conversation.default_system and not (messages and messages[0].get("role") in ("system", "developer")):
+            # The prompt tokens mode would render: the upstream's own template default may differ.
+            messages.insert(0, {"role": "system", "content": conversation.default_system})
         body: dict[str, Any] = {
             "model": model,
-            "messages": [_upstream_message(m) for m in conversation.messages],
+            "messages": messages,
             "max_tokens": sampling.max_tokens,
             "stream": True,
         }
