@@ -132,6 +132,27 @@ def test_chat_mode_plays_a_counter_episode_with_structured_tool_calls(
     assert assistant["tool_calls"][0]["function"]["name"] == "increment_counter"  # structured, not template text
 
 
+def test_unstreamed_chat_mode_plays_a_counter_episode_with_the_samplers_logprobs(
+    serve: Any, counter_rows: list[dict[str, Any]], play_counter: Any
+) -> None:
+    """`chat_stream=False` (an upstream whose streamed tool calls are wrong): one whole reply per request."""
+    chat_only = serve(completions=False)
+
+    async def main() -> Any:
+        servicer = ModelServicer(backend(chat_only, chat_stream=False), TOKENIZER)
+        try:
+            return await play_counter(lambda r: servicer.Generate(r, None), counter_rows[0])
+        finally:
+            await servicer.close()
+
+    episode = asyncio.run(main())
+    assert episode.reward == 1.0
+    assert all(r.tokens.token_source == common_pb2.TOKEN_SOURCE_RETOKENIZED for r in episode.replies)
+    assert all(r.tokens.sampler_logprobs for r in episode.replies)
+    sent = [body for path, body in chat_only.fake.requests if path == "/v1/chat/completions"][1:]
+    assert all(body["stream"] is False for body in sent)
+
+
 @pytest.mark.parametrize("mode", ["auto", "chat"])
 def test_a_chat_upstream_refusing_logprobs_is_asked_without_and_says_so_once(
     serve: Any, counter_rows: list[dict[str, Any]], play_counter: Any, caplog: Any, mode: str

@@ -264,7 +264,16 @@ class _Handler(BaseHTTPRequestHandler):
                 "content": reply.content or None,
                 **({"tool_calls": calls} if calls else {}),
             }
-            return self._json(200, {"choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+            if self.sampled is not None:  # one "token" per 8 characters of content, then of arguments
+                text = reply.content + "".join(c["function"]["arguments"] for c in calls)
+                pieces = [text[i : i + 8] for i in range(0, len(text), 8)]
+                content = [
+                    {"token": p, "logprob": -0.0625 * (k % 5 + 1), "bytes": list(p.encode())}
+                    for k, p in enumerate(pieces)
+                ]
+                choice["logprobs"] = {"content": content}
+            return self._json(200, {"choices": [choice]})
         self._start_events()
         try:
             self._chat_delta({"role": "assistant", "content": ""})

@@ -4,15 +4,17 @@ vLLM serves `/v1/chat/completions` with tools when started with `--enable-auto-t
 --tool-call-parser hermes`; a small HTTP proxy on loopback in front of it passes `/v1/models`
 and `/v1/chat/completions` and answers 404 to `/v1/completions`, as a chat-only server does.
 The backend must find that out by itself (mode auto -> chat) and play a counter episode through
-vLLM's chat route, its replies re-tokenised here. The reward is not asserted: the counter model
-memorised gymrpc's rendering of the task (with gymrpc's default system prompt, which chat mode
-does not send), and through vLLM's own chat template it did not solve the task (reward 0 in the
-one run made); that the tool calls come back structured is checked in the fast tier.
+vLLM's chat route, its replies re-tokenised here, with vLLM's logprobs kept as the sampler's.
+Unstreamed, the counter model solves the task (reward 1, as in tokens mode). Streamed, vLLM 0.32's
+hermes parser drops the reply's first `<tool_call>` (the content arrives as
+`{"name": ...}</tool_call>...` with no tool calls), so the episode scores 0: that is vLLM's
+streamed tool parsing, and `chat_stream=False` is the way round it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -96,15 +98,18 @@ def chat_only(counter_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     server.stop()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_only_vllm_is_detected_and_plays_a_counter_episode(
     chat_only: ChatOnlyProxy,
     counter_rows: list[dict[str, Any]],  # noqa: F811
     play_counter: Any,  # noqa: F811
+    stream: bool,
 ) -> None:
     tokenizer = default_tokenizer()
+    chat_only.paths.clear()
 
     async def main() -> tuple[str, Any]:
-        backend = OpenAIBackend(chat_only.url, mode="auto", tokenizer=tokenizer)
+        backend = OpenAIBackend(chat_only.url, mode="auto", tokenizer=tokenizer, chat_stream=stream)
         mode = await backend.probe()
         servicer = ModelServicer(backend, tokenizer)
         try:
@@ -119,4 +124,11 @@ def test_chat_only_vllm_is_detected_and_plays_a_counter_episode(
     assert all(r.tokens.token_source == common_pb2.TOKEN_SOURCE_RETOKENIZED for r in episode.replies)
     assert all(r.tokens.completion_token_ids for r in episode.replies)
     assert all(not r.tokens.completion_logprobs for r in episode.replies)
+    for reply in episode.replies:  # vLLM's own logprobs, one per token it generated
+        assert reply.tokens.sampler_logprobs
+        assert len(reply.tokens.sampler_tokens) == len(reply.tokens.sampler_logprobs)
+        assert all(math.isfinite(x) and x <= 0 for x in reply.tokens.sampler_logprobs)
+    if not stream:
+        assert episode.reward == 1.0  # as tokens mode scores it on the same model
+        assert episode.replies[0].finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
     assert chat_only.paths.count("/v1/chat/completions") == 1 + len(episode.replies)  # the probe, then each call

@@ -126,6 +126,7 @@ class OpenAIBackend(ModelBackend):
         transport: httpx.AsyncBaseTransport | None = None,
         weights_model: Path | None = None,
         chat_logprobs: bool | None = None,
+        chat_stream: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -145,6 +146,9 @@ class OpenAIBackend(ModelBackend):
         self.chat_logprobs: bool | None = chat_logprobs
         """Ask chat upstreams for `logprobs` (None: yes, unless the probe or a reply says they refuse)."""
         self._chat_logprobs_ok = False
+        self.chat_stream = chat_stream
+        """Stream chat replies; False: one whole reply per request (an upstream whose streamed tool
+        calls are wrong: vLLM 0.32's streamed hermes parser drops the first `<tool_call>`)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
         self._aborts: dict[str, asyncio.Event] = {}
@@ -399,19 +403,15 @@ class OpenAIBackend(ModelBackend):
         aborted = self._aborts.setdefault(request_id, asyncio.Event())
         reply = _ChatReply()
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                try:
-                    r = await stack.enter_async_context(self._open_stream(CHAT, body, aborted))
-                except InvalidArgument as exc:
-                    if "logprobs" not in body or exc.reason != "UPSTREAM_REJECTED" or self.chat_logprobs:
-                        raise
-                    self.chat_logprobs = False  # not probed: refused once, asked without from now on
-                    log.warning("upstream %s refuses chat logprobs (%s); traces carry none", self.base_url, exc.message)
-                    body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
-                    r = await stack.enter_async_context(self._open_stream(CHAT, body, aborted))
-                async for data in _events(r, aborted):
-                    if data.get("choices"):
-                        reply.add(data["choices"][0])
+            try:
+                await self._chat_reply(body, aborted, reply)
+            except InvalidArgument as exc:
+                if "logprobs" not in body or exc.reason != "UPSTREAM_REJECTED" or self.chat_logprobs:
+                    raise
+                self.chat_logprobs = False  # not probed: refused once, asked without from now on
+                log.warning("upstream %s refuses chat logprobs (%s); traces carry none", self.base_url, exc.message)
+                body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+                await self._chat_reply(body, aborted, reply)
         finally:
             self._aborts.pop(request_id, None)
         if reply.finish is None:
@@ -421,6 +421,24 @@ class OpenAIBackend(ModelBackend):
         if reply.finish is not Finish.LENGTH:
             ids.append(self.tokenizer.im_end_id)
         yield CompletionDelta(tuple(ids), None, reply.finish, self.weight_version, tuple(reply.sampler))
+
+    async def _chat_reply(self, body: dict[str, Any], aborted: asyncio.Event, reply: _ChatReply) -> None:
+        """Fill `reply` from one chat request, streamed or (`chat_stream` False) whole; an abort leaves it open."""
+        if self.chat_stream:
+            async with self._open_stream(CHAT, body, aborted) as r:
+                async for data in _events(r, aborted):
+                    if data.get("choices"):
+                        reply.add(data["choices"][0])
+            return
+        post = asyncio.ensure_future(self._post_json(CHAT, {**body, "stream": False}))
+        waiter = asyncio.ensure_future(aborted.wait())
+        try:
+            await asyncio.wait({post, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if post.done():  # else aborted: dropping the request is the abort
+                reply.add(_first_choice(await post))
+        finally:
+            waiter.cancel()
+            post.cancel()
 
     async def continue_stream(
         self,
