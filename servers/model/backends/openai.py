@@ -11,7 +11,8 @@ true` writes the logprob tokens as `token_id:N` (used when `token_ids` is missin
 from the tokens already streamed (`ModelBackend.continue_stream`: prompt + partial).
 
 `chat` (OpenAI itself, hosted endpoints, servers without token-id completions): the
-structured messages and tools go to `/v1/chat/completions` (streaming) and the reply's
+structured messages and tools (with the server's system prompt when the conversation has
+none) go to `/v1/chat/completions` (streamed, or whole with `chat_stream=False`) and the reply's
 content and structured tool calls are written back in this server's template format
 and tokenised by this server, so the ids are honest only as text: they are flagged
 `TOKEN_SOURCE_RETOKENIZED` (`retokenized`) and `completion_logprobs` stays empty. Where
