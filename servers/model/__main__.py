@@ -177,8 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     upstream.add_argument(
         "--upstream-chat-whole",
         action="store_true",
-        help="chat mode: ask for whole replies, not streamed ones (vLLM 0.32's streamed hermes tool parser "
-        "drops the first <tool_call>)",
+        help="chat mode: ask for whole replies, not streamed ones (upstreams that do not stream)",
     )
     upstream.add_argument("--upstream-model", help="model name (default: the first of /v1/models)")
     upstream.add_argument("--upstream-api-key-file", type=Path, help="file holding the upstream API key")

@@ -135,7 +135,7 @@ def test_chat_mode_plays_a_counter_episode_with_structured_tool_calls(
 def test_unstreamed_chat_mode_plays_a_counter_episode_with_the_samplers_logprobs(
     serve: Any, counter_rows: list[dict[str, Any]], play_counter: Any
 ) -> None:
-    """`chat_stream=False` (an upstream whose streamed tool calls are wrong): one whole reply per request."""
+    """`chat_stream=False` (upstreams that do not stream): one whole reply per request."""
     chat_only = serve(completions=False)
 
     async def main() -> Any:

@@ -148,8 +148,7 @@ class OpenAIBackend(ModelBackend):
         """Ask chat upstreams for `logprobs` (None: yes, unless the probe or a reply says they refuse)."""
         self._chat_logprobs_ok = False
         self.chat_stream = chat_stream
-        """Stream chat replies; False: one whole reply per request (an upstream whose streamed tool
-        calls are wrong: vLLM 0.32's streamed hermes parser drops the first `<tool_call>`)."""
+        """Stream chat replies; False: one whole reply per request (upstreams that do not stream)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
         self._aborts: dict[str, asyncio.Event] = {}
