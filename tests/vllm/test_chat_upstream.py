@@ -8,11 +8,13 @@ vLLM's chat route, streamed and whole, its replies re-tokenised here, with vLLM'
 as the sampler's (asserted present and finite for every reply).
 
 The reward is recorded, not asserted: the counter model scores 1 in tokens mode, but through
-vLLM 0.32's chat route its first reply comes back as text starting `{"name": ...}</tool_call>`:
-the leading `<tool_call>` tag is missing from the text vLLM returns (streamed or whole; the
-system prompt and tools are sent; that vLLM renders them token for token as gymrpc does was not
-checked), so vLLM's hermes parser finds no tool call and the episode ends after one text reply
-with reward 0.
+vLLM 0.32's chat route it scores 0. The first turn's prompt vLLM renders (its `prompt_token_ids`,
+checked once by hand) is token for token gymrpc's, system prompt and tools included, yet even at
+temperature 0 its first sampled token (per vLLM's logprobs and `token_ids`) is `{"`, not
+`<tool_call>`: the reply is `{"name": ...}</tool_call><tool_call>{...}</tool_call>`, vLLM's
+hermes parser takes the second call only, or none when streamed, and the episode goes wrong.
+Something in vLLM's chat path changes sampling (not found in the time; a guess: the hermes
+parser's structural tag), not what gymrpc sends.
 """
 
 from __future__ import annotations
