@@ -68,8 +68,10 @@ class _TokenSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TokenSour
     """The ids the model sampled, with their logprobs (token-level upstreams)."""
     TOKEN_SOURCE_RETOKENIZED: _TokenSource.ValueType  # 2
     """The model server's own tokenisation of the text a chat-only upstream
-    replied; not what the model sampled, and without logprobs. Fine for
-    evaluation, not for policy-gradient training.
+    replied; not what the model sampled, so `completion_logprobs` is empty.
+    The sampler's own logprobs, when the upstream gave them, are in
+    `sampler_tokens`/`sampler_logprobs`. Fine for evaluation, not for
+    policy-gradient training on these ids.
     """
 
 class TokenSource(_TokenSource, metaclass=_TokenSourceEnumTypeWrapper):
@@ -81,8 +83,10 @@ TOKEN_SOURCE_SAMPLER: TokenSource.ValueType  # 1
 """The ids the model sampled, with their logprobs (token-level upstreams)."""
 TOKEN_SOURCE_RETOKENIZED: TokenSource.ValueType  # 2
 """The model server's own tokenisation of the text a chat-only upstream
-replied; not what the model sampled, and without logprobs. Fine for
-evaluation, not for policy-gradient training.
+replied; not what the model sampled, so `completion_logprobs` is empty.
+The sampler's own logprobs, when the upstream gave them, are in
+`sampler_tokens`/`sampler_logprobs`. Fine for evaluation, not for
+policy-gradient training on these ids.
 """
 Global___TokenSource: _TypeAlias = TokenSource  # noqa: Y015
 
@@ -431,6 +435,8 @@ class TokenTrace(_message.Message):
     COMPLETION_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOKEN_SOURCE_FIELD_NUMBER: _builtins.int
     CONTINUED_AT_FIELD_NUMBER: _builtins.int
+    SAMPLER_TOKENS_FIELD_NUMBER: _builtins.int
+    SAMPLER_LOGPROBS_FIELD_NUMBER: _builtins.int
     token_source: Global___TokenSource.ValueType
     """Where the token ids come from. Only TOKEN_SOURCE_SAMPLER ids are the ones
     the model sampled; RL code should refuse others for training. Unset in
@@ -458,6 +464,20 @@ class TokenTrace(_message.Message):
         uninterrupted generation. The trace is still one model call.
         """
 
+    @_builtins.property
+    def sampler_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Chat-mode upstreams that return logprobs: the upstream's own tokens, as
+        it sampled them (UTF-8 bytes of each token piece), in order. They are not
+        `completion_token_ids` (those are this server's re-tokenisation, see
+        TOKEN_SOURCE_RETOKENIZED); empty when the upstream gave no logprobs.
+        """
+
+    @_builtins.property
+    def sampler_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Log probability the upstream's sampler gave each of `sampler_tokens`;
+        same length as `sampler_tokens`.
+        """
+
     def __init__(
         self,
         *,
@@ -466,10 +486,12 @@ class TokenTrace(_message.Message):
         completion_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         token_source: Global___TokenSource.ValueType = ...,
         continued_at: _abc.Iterable[_builtins.int] | None = ...,
+        sampler_tokens: _abc.Iterable[_builtins.bytes] | None = ...,
+        sampler_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "continued_at", b"continued_at", "prompt_token_ids", b"prompt_token_ids", "token_source", b"token_source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_logprobs", b"completion_logprobs", "completion_token_ids", b"completion_token_ids", "continued_at", b"continued_at", "prompt_token_ids", b"prompt_token_ids", "sampler_logprobs", b"sampler_logprobs", "sampler_tokens", b"sampler_tokens", "token_source", b"token_source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -77,6 +77,7 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
             mode=args.upstream_mode,
             tokenizer=tokenizer,
             weights_model=args.upstream_weights,
+            chat_stream=not args.upstream_chat_whole,
         )
     from gymrpc.servers.model.backends.scripted import ScriptedBackend
     from gymrpc.servers.model.backends.sources import CounterSolver, RecordedRollouts, ReplySource, ScriptFile
@@ -169,8 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "tokens", "chat"),
         default="auto",
         help="tokens: /v1/completions with token ids (sampler's ids and logprobs, cuts continue from the "
-        "streamed tokens); chat: /v1/chat/completions (re-tokenised, no logprobs, cuts regenerate the "
-        "message); auto (default): probe the upstream at start, tokens when it can",
+        "streamed tokens); chat: /v1/chat/completions (re-tokenised ids, the sampler's logprobs in its own "
+        "tokens where offered, cuts regenerate the message); auto (default): probe the upstream at start, "
+        "tokens when it can",
+    )
+    upstream.add_argument(
+        "--upstream-chat-whole",
+        action="store_true",
+        help="chat mode: ask for whole replies, not streamed ones (upstreams that do not stream)",
     )
     upstream.add_argument("--upstream-model", help="model name (default: the first of /v1/models)")
     upstream.add_argument("--upstream-api-key-file", type=Path, help="file holding the upstream API key")

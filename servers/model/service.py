@@ -98,16 +98,18 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 f"{self.limits.max_prompt_tokens}",
                 metadata={"field": "messages"},
             )
-        conversation = Conversation(checked.messages, checked.tools, checked.rollout_id)
+        conversation = Conversation(checked.messages, checked.tools, checked.rollout_id, self.template.default_system)
         args = (prompt, checked.sampling, checked.request_id)
         token_ids: list[int] = []
         logprobs: list[float] | None = []
         finish, version, continued_at = Finish.ABORT, "", ()
         spans: list[version_spans.Span] = []
+        sampler: list[tuple[bytes, float]] = []
         if streaming:
             decoder = self.tokenizer.decoder()
             async for delta in self.backend.stream(*args, conversation=conversation):
                 token_ids.extend(delta.token_ids)
+                sampler.extend(delta.sampler)
                 if delta.logprobs is None:
                     logprobs = None
                 elif logprobs is not None:
@@ -128,6 +130,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 completion.continued_at,
             )
             logprobs = None if completion.logprobs is None else list(completion.logprobs)
+            sampler = list(completion.sampler)
             spans = list(completion.spans)
             if not spans:
                 version_spans.extend(spans, version or self.backend.weight_version, len(token_ids))
@@ -147,6 +150,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 if self.backend.retokenized
                 else common_pb2.TOKEN_SOURCE_SAMPLER,
                 continued_at=continued_at,
+                sampler_tokens=[token for token, _ in sampler],
+                sampler_logprobs=[logprob for _, logprob in sampler],
             ),
             finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS if has_calls else _FINISH[finish],
             weight_version=(spans[-1][0] if spans else version) or self.backend.weight_version,

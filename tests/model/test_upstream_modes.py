@@ -7,6 +7,8 @@ server with tool calling, and a vLLM-style token-level one without an abort endp
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -16,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from gymrpc.chat import default_tokenizer
+from gymrpc.chat import DEFAULT_SYSTEM, default_tokenizer
 from gymrpc.control import ControlPlane, Phase
 from gymrpc.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unauthenticated
-from gymrpc.servers.model.backends.base import Sampling
+from gymrpc.servers.model.backends.base import Conversation, Sampling
 from gymrpc.servers.model.backends.openai import OpenAIBackend
 from gymrpc.servers.model.participant import ModelParticipant
 from gymrpc.servers.model.service import ModelServicer
@@ -113,12 +115,79 @@ def test_chat_mode_plays_a_counter_episode_with_structured_tool_calls(
     assert first.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
     assert [c.id for c in first.message.tool_calls][:1] == ["call_0_0"]  # this server's ids, not the upstream's
     assert all(r.tokens.token_source == common_pb2.TOKEN_SOURCE_RETOKENIZED for r in episode.replies)
-    assert all(not r.tokens.completion_logprobs for r in episode.replies)
+    assert all(not r.tokens.completion_logprobs for r in episode.replies)  # the ids are not the sampler's
+    for reply in episode.replies:  # the sampler's own logprobs, in its own tokens
+        assert reply.tokens.sampler_tokens
+        assert len(reply.tokens.sampler_logprobs) == len(reply.tokens.sampler_tokens)
+        assert all(math.isfinite(x) and x <= 0 for x in reply.tokens.sampler_logprobs)
+    streamed = b"".join(first.tokens.sampler_tokens).decode()
+    assert first.message.tool_calls[0].arguments_json in streamed  # tool-call tokens too
     sent = [body for path, body in chat_only.fake.requests if path == "/v1/chat/completions"][1:]
     assert sent[0]["stream"] is True
+    assert sent[0]["logprobs"] is True
+    assert "top_logprobs" not in sent[0]
     assert sent[0]["tools"][0]["type"] == "function"
+    assert sent[0]["messages"][0] == {"role": "system", "content": DEFAULT_SYSTEM}  # what tokens mode renders
     assistant = next(m for m in sent[1]["messages"] if m["role"] == "assistant")
     assert assistant["tool_calls"][0]["function"]["name"] == "increment_counter"  # structured, not template text
+
+
+def test_unstreamed_chat_mode_plays_a_counter_episode_with_the_samplers_logprobs(
+    serve: Any, counter_rows: list[dict[str, Any]], play_counter: Any
+) -> None:
+    """`chat_stream=False` (upstreams that do not stream): one whole reply per request."""
+    chat_only = serve(completions=False)
+
+    async def main() -> Any:
+        servicer = ModelServicer(backend(chat_only, chat_stream=False), TOKENIZER)
+        try:
+            return await play_counter(lambda r: servicer.Generate(r, None), counter_rows[0])
+        finally:
+            await servicer.close()
+
+    episode = asyncio.run(main())
+    assert episode.reward == 1.0
+    assert all(r.tokens.token_source == common_pb2.TOKEN_SOURCE_RETOKENIZED for r in episode.replies)
+    assert all(r.tokens.sampler_logprobs for r in episode.replies)
+    sent = [body for path, body in chat_only.fake.requests if path == "/v1/chat/completions"][1:]
+    assert all(body["stream"] is False for body in sent)
+
+
+@pytest.mark.parametrize("mode", ["auto", "chat"])
+def test_a_chat_upstream_refusing_logprobs_is_asked_without_and_says_so_once(
+    serve: Any, counter_rows: list[dict[str, Any]], play_counter: Any, caplog: Any, mode: str
+) -> None:
+    """auto: the probe finds the refusal; a forced chat mode (no probe): the first reply's 400 does."""
+    chat_only = serve(completions=False, chat_logprobs=False)
+
+    async def main() -> tuple[Any, dict[str, str]]:
+        b = backend(chat_only, mode=mode)
+        servicer = ModelServicer(b, TOKENIZER)
+        try:
+            return await play_counter(lambda r: servicer.Generate(r, None), counter_rows[0]), b.status_details()
+        finally:
+            await servicer.close()
+
+    with caplog.at_level(logging.WARNING, logger="gymrpc"):
+        episode, details = asyncio.run(main())
+    assert episode.reward == 1.0
+    assert details["upstream_mode"] == "chat"
+    assert all(not r.tokens.sampler_tokens and not r.tokens.sampler_logprobs for r in episode.replies)
+    assert len([r for r in caplog.records if "refuses chat logprobs" in r.getMessage()]) == 1
+    asked = [bool(body.get("logprobs")) for path, body in chat_only.fake.requests if path == "/v1/chat/completions"]
+    assert asked[0] is True
+    assert not any(asked[1:])
+
+
+def test_chat_top_logprobs_are_asked_for_only_when_the_call_wants_them(serve: Any) -> None:
+    b = backend(serve(completions=False), mode="chat")
+    conversation = Conversation([{"role": "user", "content": "hi"}], [])
+    plain = b.chat_body(conversation, SAMPLING, "m")
+    top = b.chat_body(conversation, Sampling(max_tokens=8, top_logprobs=3), "m")
+    asyncio.run(b.close())
+    assert plain["logprobs"] is True
+    assert "top_logprobs" not in plain
+    assert (top["logprobs"], top["top_logprobs"]) == (True, 3)
 
 
 def test_tokens_mode_plays_a_counter_episode_with_the_samplers_ids(

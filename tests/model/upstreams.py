@@ -78,6 +78,8 @@ class FakeUpstream:
     completions: bool = True
     """Serve `/v1/completions` with token ids (vLLM-style); False: a chat-only server."""
     chat: bool = True
+    chat_logprobs: bool = True
+    """Chat replies carry `logprobs.content` when asked; False: a request asking for them is refused (400)."""
     model: str = "fake-model"
     api_key: str | None = None
     token_delay: float = 0.0
@@ -130,6 +132,8 @@ class FakeUpstream:
 
 
 class _Handler(BaseHTTPRequestHandler):
+    sampled: int | None = None
+    """Logprob entries this chat reply has streamed so far; None: not asked for."""
     fake: FakeUpstream
     protocol_version = "HTTP/1.1"
 
@@ -242,6 +246,9 @@ class _Handler(BaseHTTPRequestHandler):
         if sum(len(str(m.get("content") or "")) for m in messages) > fake.max_context:
             message = f"This model's maximum context length is {fake.max_context} tokens."
             return self._json(400, {"error": {"message": message, "code": "context_length_exceeded"}})
+        if body.get("logprobs") and not fake.chat_logprobs:
+            return self._json(400, {"error": {"message": "logprobs is not supported by this server"}})
+        self.sampled = 0 if body.get("logprobs") else None
         conversation = Conversation(messages, body.get("tools") or [])
         reply = parse_reply(fake.reply_text(conversation))
         calls = [
@@ -257,7 +264,16 @@ class _Handler(BaseHTTPRequestHandler):
                 "content": reply.content or None,
                 **({"tool_calls": calls} if calls else {}),
             }
-            return self._json(200, {"choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+            if self.sampled is not None:  # one "token" per 8 characters of content, then of arguments
+                text = reply.content + "".join(c["function"]["arguments"] for c in calls)
+                pieces = [text[i : i + 8] for i in range(0, len(text), 8)]
+                content = [
+                    {"token": p, "logprob": -0.0625 * (k % 5 + 1), "bytes": list(p.encode())}
+                    for k, p in enumerate(pieces)
+                ]
+                choice["logprobs"] = {"content": content}
+            return self._json(200, {"choices": [choice]})
         self._start_events()
         try:
             self._chat_delta({"role": "assistant", "content": ""})
@@ -265,7 +281,7 @@ class _Handler(BaseHTTPRequestHandler):
                 fake.holding.set()
                 fake.hold.wait(120)
             for start in range(0, len(reply.content), 8):
-                self._chat_delta({"content": reply.content[start : start + 8]})
+                self._chat_delta({"content": reply.content[start : start + 8]}, reply.content[start : start + 8])
                 if fake.token_delay:
                     time.sleep(fake.token_delay)
             for k, call in enumerate(calls):
@@ -279,16 +295,20 @@ class _Handler(BaseHTTPRequestHandler):
                 arguments = call["function"]["arguments"]
                 for start in range(0, len(arguments), 5):
                     piece = {"index": k, "function": {"arguments": arguments[start : start + 5]}}
-                    self._chat_delta({"tool_calls": [piece]})
+                    self._chat_delta({"tool_calls": [piece]}, arguments[start : start + 5])
             self._event({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
             self._done()
         except (BrokenPipeError, ConnectionResetError):
             pass
 
-    def _chat_delta(self, delta: dict[str, Any]) -> None:
-        self._event(
-            {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
-        )
+    def _chat_delta(self, delta: dict[str, Any], token: str = "") -> None:
+        """One chunk; with `token` and logprobs asked for, that piece is one sampled "token" (OpenAI's shape)."""
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        if token and self.sampled is not None:
+            logprob = -0.0625 * (self.sampled % 5 + 1)  # a function of the position only
+            choice["logprobs"] = {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode())}]}
+            self.sampled += 1
+        self._event({"object": "chat.completion.chunk", "choices": [choice]})
 
     # -- server-sent events ------------------------------------------------------------------
 

@@ -51,6 +51,8 @@ class Conversation:
     messages: Sequence[Mapping[str, Any]]
     tools: Sequence[Mapping[str, Any]] = ()
     rollout_id: str = ""
+    default_system: str = ""
+    """The system prompt the server's template renders when `messages` has none (chat mode sends it)."""
 
     def first_user_text(self) -> str:
         return next((m.get("content") or "" for m in self.messages if m.get("role") == "user"), "")
@@ -71,6 +73,8 @@ class CompletionDelta:
     logprobs: tuple[float, ...] | None = None
     finish: Finish | None = None
     weight_version: str = ""
+    sampler: tuple[tuple[bytes, float], ...] = ()
+    """Chat mode: the upstream's own (token bytes, logprob) pairs, which `token_ids` (re-tokenised) are not."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class Completion:
     """Token offsets where a cut generation was continued by a new backend request (`continue_stream`)."""
     spans: tuple[tuple[str, int, int], ...] = ()
     """(version, first token, last token) of each run of tokens one version produced (`gymrpc.servers.model.spans`)."""
+    sampler: tuple[tuple[bytes, float], ...] = ()
+    """Chat mode: the upstream's own (token bytes, logprob) pairs (`CompletionDelta.sampler`)."""
 
 
 @dataclass
@@ -134,14 +140,16 @@ class ModelBackend(abc.ABC):
 
         acc, finish, version = _Accumulator(), Finish.ABORT, ""
         spans: list[tuple[str, int, int]] = []
+        sampler: list[tuple[bytes, float]] = []
         async for delta in self.stream(prompt_token_ids, sampling, request_id, conversation=conversation):
             acc.add(delta)
+            sampler.extend(delta.sampler)
             version = delta.weight_version or version
             version_spans.extend(spans, version, len(delta.token_ids))
             if delta.finish is not None:
                 finish = delta.finish
         logprobs = tuple(acc.logprobs) if acc.logprobs is not None else None
-        return Completion(tuple(acc.token_ids), logprobs, finish, version, spans=tuple(spans))
+        return Completion(tuple(acc.token_ids), logprobs, finish, version, spans=tuple(spans), sampler=tuple(sampler))
 
     async def continue_stream(
         self,

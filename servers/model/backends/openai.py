@@ -11,11 +11,16 @@ true` writes the logprob tokens as `token_id:N` (used when `token_ids` is missin
 from the tokens already streamed (`ModelBackend.continue_stream`: prompt + partial).
 
 `chat` (OpenAI itself, hosted endpoints, servers without token-id completions): the
-structured messages and tools go to `/v1/chat/completions` (streaming) and the reply's
+structured messages and tools (with the server's system prompt when the conversation has
+none) go to `/v1/chat/completions` (streamed, or whole with `chat_stream=False`) and the reply's
 content and structured tool calls are written back in this server's template format
-and tokenised by this server, so the trace is honest only as text: it is flagged
-`TOKEN_SOURCE_RETOKENIZED` (`retokenized`), without logprobs. Replies are whole
-messages: a cut chat generation keeps nothing and is generated again.
+and tokenised by this server, so the ids are honest only as text: they are flagged
+`TOKEN_SOURCE_RETOKENIZED` (`retokenized`) and `completion_logprobs` stays empty. Where
+the upstream accepts `logprobs: true` (probed; refused: asked without, logged once), its
+streamed `choices[].logprobs.content[]` (token piece, `bytes`, `logprob`) are kept as the
+trace's `sampler_tokens`/`sampler_logprobs`: the sampler's logprobs, in the sampler's own
+tokenisation, which the re-tokenised ids do not align with. Replies are whole messages:
+a cut chat generation keeps nothing and is generated again.
 
 `probe()` (run by the server before it binds) probes the upstream (`/v1/models`, a one-token token-id completion, a
 one-token chat completion), picks the mode for `auto`, refuses a forced mode the
@@ -84,6 +89,8 @@ class Capabilities:
     token_completions_why: str = ""
     chat: bool | None = None
     chat_why: str = ""
+    chat_logprobs: bool | None = None
+    """`/v1/chat/completions` accepts `logprobs: true` (None: not probed)."""
 
     def summary(self, mode: str, dev_abort: bool) -> str:
         def say(ok: bool | None, what: str, why: str) -> str:
@@ -96,6 +103,7 @@ class Capabilities:
                 f"mode {mode}",
                 say(self.token_completions, "token-id completions", self.token_completions_why),
                 say(self.chat, "chat completions", self.chat_why),
+                say(self.chat_logprobs, "chat logprobs", "refused; chat traces carry none"),
                 f"abort: {'/abort_requests' if dev_abort else 'by disconnecting (partials kept from the stream)'}",
                 f"models: {', '.join(self.models[:5]) or '-'}",
             )
@@ -118,6 +126,8 @@ class OpenAIBackend(ModelBackend):
         tokenizer: ChatTokenizer | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         weights_model: Path | None = None,
+        chat_logprobs: bool | None = None,
+        chat_stream: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -134,6 +144,11 @@ class OpenAIBackend(ModelBackend):
         self.tokenizer = tokenizer
         self.timeout = timeout
         self.capabilities = Capabilities()
+        self.chat_logprobs: bool | None = chat_logprobs
+        """Ask chat upstreams for `logprobs` (None: yes, unless the probe or a reply says they refuse)."""
+        self._chat_logprobs_ok = False
+        self.chat_stream = chat_stream
+        """Stream chat replies; False: one whole reply per request (upstreams that do not stream)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
         self._aborts: dict[str, asyncio.Event] = {}
@@ -183,7 +198,11 @@ class OpenAIBackend(ModelBackend):
             chat_why = ""
             if self.requested_mode != "tokens" or not tokens_ok:
                 chat_ok, chat_why = await self._probe_chat(self.model)
-            self.capabilities = Capabilities(models, tokens_ok, tokens_why, chat_ok, chat_why)
+                if chat_ok and self.chat_logprobs is None:
+                    self.chat_logprobs = self._chat_logprobs_ok
+            self.capabilities = Capabilities(
+                models, tokens_ok, tokens_why, chat_ok, chat_why, self.chat_logprobs if chat_ok else None
+            )
             if self.requested_mode == "tokens" and not tokens_ok:
                 raise FailedPrecondition(
                     f"--upstream-mode tokens: {where} has no working POST {COMPLETIONS} with token-id prompts "
@@ -232,7 +251,20 @@ class OpenAIBackend(ModelBackend):
         return True, ""
 
     async def _probe_chat(self, model: str) -> tuple[bool, str]:
-        body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+        """A one-token chat completion, asking for logprobs first, then (refused) without."""
+        body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+        self._chat_logprobs_ok = False
+        if self.chat_logprobs is not False:
+            try:
+                _first_choice(await self._post_json(CHAT, {**body, "logprobs": True}))
+                self._chat_logprobs_ok = True
+                return True, ""
+            except (Unauthenticated, PermissionDenied):
+                raise
+            except GymrpcError as exc:
+                if exc.reason != "UPSTREAM_REJECTED":
+                    return False, f"POST {CHAT}: {exc.message}"
+                log.warning("upstream %s refuses chat logprobs (%s); traces carry none", self.base_url, exc.message)
         try:
             _first_choice(await self._post_json(CHAT, body))
         except (Unauthenticated, PermissionDenied):
@@ -336,12 +368,20 @@ class OpenAIBackend(ModelBackend):
     # -- chat mode -----------------------------------------------------------------------
 
     def chat_body(self, conversation: Conversation, sampling: Sampling, model: str) -> dict[str, Any]:
+        messages = [_upstream_message(m) for m in conversation.messages]
+        if conversation.default_system and not (messages and messages[0].get("role") in ("system", "developer")):
+            # The prompt tokens mode would render: the upstream's own template default may differ.
+            messages.insert(0, {"role": "system", "content": conversation.default_system})
         body: dict[str, Any] = {
             "model": model,
-            "messages": [_upstream_message(m) for m in conversation.messages],
+            "messages": messages,
             "max_tokens": sampling.max_tokens,
             "stream": True,
         }
+        if self.chat_logprobs is not False:
+            body["logprobs"] = True
+            if sampling.top_logprobs:
+                body["top_logprobs"] = sampling.top_logprobs
         if conversation.tools:
             body["tools"] = [dict(t) for t in conversation.tools]
         if sampling.stop:
@@ -363,10 +403,15 @@ class OpenAIBackend(ModelBackend):
         aborted = self._aborts.setdefault(request_id, asyncio.Event())
         reply = _ChatReply()
         try:
-            async with self._open_stream(CHAT, body, aborted) as r:
-                async for data in _events(r, aborted):
-                    if data.get("choices"):
-                        reply.add(data["choices"][0])
+            try:
+                await self._chat_reply(body, aborted, reply)
+            except InvalidArgument as exc:
+                if "logprobs" not in body or exc.reason != "UPSTREAM_REJECTED" or self.chat_logprobs:
+                    raise
+                self.chat_logprobs = False  # not probed: refused once, asked without from now on
+                log.warning("upstream %s refuses chat logprobs (%s); traces carry none", self.base_url, exc.message)
+                body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+                await self._chat_reply(body, aborted, reply)
         finally:
             self._aborts.pop(request_id, None)
         if reply.finish is None:
@@ -375,7 +420,25 @@ class OpenAIBackend(ModelBackend):
         ids = self.tokenizer.encode(assistant_body(reply.message()))
         if reply.finish is not Finish.LENGTH:
             ids.append(self.tokenizer.im_end_id)
-        yield CompletionDelta(tuple(ids), None, reply.finish, self.weight_version)
+        yield CompletionDelta(tuple(ids), None, reply.finish, self.weight_version, tuple(reply.sampler))
+
+    async def _chat_reply(self, body: dict[str, Any], aborted: asyncio.Event, reply: _ChatReply) -> None:
+        """Fill `reply` from one chat request, streamed or (`chat_stream` False) whole; an abort leaves it open."""
+        if self.chat_stream:
+            async with self._open_stream(CHAT, body, aborted) as r:
+                async for data in _events(r, aborted):
+                    if data.get("choices"):
+                        reply.add(data["choices"][0])
+            return
+        post = asyncio.ensure_future(self._post_json(CHAT, {**body, "stream": False}))
+        waiter = asyncio.ensure_future(aborted.wait())
+        try:
+            await asyncio.wait({post, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if post.done():  # else aborted: dropping the request is the abort
+                reply.add(_first_choice(await post))
+        finally:
+            waiter.cancel()
+            post.cancel()
 
     async def continue_stream(
         self,
@@ -574,6 +637,8 @@ class _ChatReply:
         self.reasoning: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
         self.finish: Finish | None = None
+        self.sampler: list[tuple[bytes, float]] = []
+        """The upstream's (token bytes, logprob) for each token it streamed logprobs for."""
 
     def add(self, choice: Mapping[str, Any]) -> None:
         delta = choice.get("delta") or choice.get("message") or {}
@@ -588,6 +653,8 @@ class _ChatReply:
             function = call.get("function") or {}
             slot["name"] += function.get("name") or ""
             slot["arguments"] += function.get("arguments") or ""
+        for entry in (choice.get("logprobs") or {}).get("content") or ():
+            self.sampler.append(_sampler_token(entry))
         reason = choice.get("finish_reason")
         if reason is not None:
             self.finish = _FINISH.get(str(reason), Finish.STOP)
@@ -600,6 +667,16 @@ class _ChatReply:
                 arguments = json.dumps(json.loads(arguments), ensure_ascii=False)  # canonical spacing
             calls.append({"function": {"name": call["name"], "arguments": arguments}})
         return {"content": "".join(self.content), "reasoning_content": "".join(self.reasoning), "tool_calls": calls}
+
+
+def _sampler_token(entry: Mapping[str, Any]) -> tuple[bytes, float]:
+    """One `logprobs.content[]` entry: the token's bytes (`bytes` if given, else its text) and logprob."""
+    try:
+        raw = entry.get("bytes")
+        token = bytes(raw) if raw is not None else str(entry.get("token", "")).encode()
+        return token, float(entry["logprob"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise Internal(f"upstream chat logprobs entry is malformed: {str(entry)[:200]} ({exc!r})") from None
 
 
 def _upstream_message(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -390,6 +390,24 @@ export declare type TokenTrace = Message$1<"gymrpc.v1.TokenTrace"> & {
    * @generated from field: repeated uint32 continued_at = 5;
    */
   continuedAt: number[];
+
+  /**
+   * Chat-mode upstreams that return logprobs: the upstream's own tokens, as
+   * it sampled them (UTF-8 bytes of each token piece), in order. They are not
+   * `completion_token_ids` (those are this server's re-tokenisation, see
+   * TOKEN_SOURCE_RETOKENIZED); empty when the upstream gave no logprobs.
+   *
+   * @generated from field: repeated bytes sampler_tokens = 6;
+   */
+  samplerTokens: Uint8Array[];
+
+  /**
+   * Log probability the upstream's sampler gave each of `sampler_tokens`;
+   * same length as `sampler_tokens`.
+   *
+   * @generated from field: repeated float sampler_logprobs = 7;
+   */
+  samplerLogprobs: number[];
 };
 
 /**
@@ -567,8 +585,10 @@ export enum TokenSource {
 
   /**
    * The model server's own tokenisation of the text a chat-only upstream
-   * replied; not what the model sampled, and without logprobs. Fine for
-   * evaluation, not for policy-gradient training.
+   * replied; not what the model sampled, so `completion_logprobs` is empty.
+   * The sampler's own logprobs, when the upstream gave them, are in
+   * `sampler_tokens`/`sampler_logprobs`. Fine for evaluation, not for
+   * policy-gradient training on these ids.
    *
    * @generated from enum value: TOKEN_SOURCE_RETOKENIZED = 2;
    */
