@@ -91,6 +91,10 @@ class _Write:
     records: list[rec_pb.CheckpointRecord]
     stop: store.WriteStop = field(default_factory=store.WriteStop)
     task: asyncio.Task[pb.CheckpointManifest] | None = None
+    export_s: float = 0.0
+    """Time the capture took (episodes stay parked for it; a commit that only captured could resume here)."""
+    write_s: float = 0.0
+    """Time the records file and manifest took (write, fsync), after the capture."""
 
 
 class ControlPlane:
@@ -243,7 +247,9 @@ class ControlPlane:
             self.lease.renew(deadline)
             write = self._write
             if write is None or write.checkpoint_id != checkpoint_id:
+                started = time.perf_counter()
                 write = _Write(checkpoint_id, args, await self._export(scope))
+                write.export_s = time.perf_counter() - started
                 self._write = write
             elif write.args != args:
                 raise conflict(checkpoint_id, "was already committed to another directory or scope")
@@ -270,7 +276,13 @@ class ControlPlane:
             self.replies.put(Op.COMMIT, checkpoint_id, args, manifest)
             log.info(
                 "committed",
-                extra={"checkpoint_id": checkpoint_id, "records": manifest.record_count, "bytes": manifest.size_bytes},
+                extra={
+                    "checkpoint_id": checkpoint_id,
+                    "records": manifest.record_count,
+                    "bytes": manifest.size_bytes,
+                    "export_ms": round(write.export_s * 1e3, 1),
+                    "write_ms": round(write.write_s * 1e3, 1),
+                },
             )
             return manifest
 
@@ -291,6 +303,7 @@ class ControlPlane:
         return await self.participant.export(scope)
 
     async def _store(self, root: Path, write: _Write) -> pb.CheckpointManifest:
+        started = time.perf_counter()
         try:
             return await asyncio.to_thread(
                 store.write_checkpoint,
@@ -320,6 +333,8 @@ class ControlPlane:
                 f"writing checkpoint {write.checkpoint_id!r} failed: {exc}; retry the commit",
                 reason="BACKEND_FAILURE",
             ) from None
+        finally:
+            write.write_s = time.perf_counter() - started
 
     # -- resume ------------------------------------------------------------------------------
 
