@@ -21,6 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gymrpc import rundir
 from gymrpc.launch.spec import parse_stack_spec
 from gymrpc.registry import RegistryClient
 from gymrpc.rollouts.checkpointing import LATEST
@@ -146,7 +147,7 @@ def test_counters_move_through_a_checkpoint_a_sigkill_and_a_resume(start_stack: 
     assert total(agent, "gymrpc_episodes_inflight") == 0
     for name in SERVERS:
         assert total(scrape(urls[name]), "gymrpc_checkpoint_step_duration_seconds_count", step="restore") == 1, name
-    registry = scrape(json.loads((stack.run_dir / "registry.ready").read_text())["metrics"])
+    registry = scrape(json.loads(rundir.registry_ready(stack.run_dir).read_text())["metrics"])
     for name in SERVERS:
         assert total(registry, "gymrpc_registry_registrations_total", name=name) >= 2, name  # started, restarted
 
