@@ -16,11 +16,17 @@ REGISTRY_FILE = "registry.addr"
 TOKEN_FILE = "token"
 STATE_FILE = "stack.json"
 LOG_DIR = "logs"
+REGISTRY_READY_FILE = "registry.ready"  # the registry's ready line: name, address, metrics URL
 
 
 def default_run_dir() -> Path:
     """`$GYMRPC_RUN_DIR`, else `.gymrpc` under the current directory."""
     return Path(os.environ.get("GYMRPC_RUN_DIR", DEFAULT)).absolute()
+
+
+def registry_ready(run_dir: Path) -> Path:
+    """The registry's ready file: how a scraper finds the registry's own metrics page."""
+    return run_dir / REGISTRY_READY_FILE
 
 
 def registry_socket(run_dir: Path) -> Path:

@@ -110,7 +110,7 @@ async def _metrics_urls(run_dir: Path, registry: str) -> dict[tuple[str, str], s
     """(name, address) -> metrics URL, from the registry's entries and its own ready file."""
     urls: dict[tuple[str, str], str] = {}
     with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, KeyError):
-        ready = json.loads((run_dir / "registry.ready").read_text())
+        ready = json.loads(rundir.registry_ready(run_dir).read_text())
         if ready.get("metrics"):
             urls[(ready["name"], ready["address"])] = ready["metrics"]
     with contextlib.suppress(Exception):  # a gone registry leaves only what stack.json knows

@@ -25,7 +25,6 @@ PARTICIPANT = "/gymrpc.v1.ParticipantService/"
 REGISTRY_REGISTER = "/gymrpc.v1.RegistryService/Register"
 EPISODE_METHODS = (AGENT + "Run", AGENT + "RunStream")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
-CHECKPOINT_STEPS = {"Prepare": "prepare", "Commit": "commit", "Restore": "restore", "Resume": "resume"}
 _STOP_REASONS = {
     v.number: v.name.removeprefix("STOP_REASON_").lower() for v in agent_service_pb2.StopReason.DESCRIPTOR.values
 }
@@ -88,13 +87,6 @@ class ServerMetrics:
             ["version"],
             registry=reg,
         )
-        self.checkpoint_duration = Histogram(
-            "gymrpc_checkpoint_step_duration_seconds",
-            "Wall time of a participant's checkpoint step",
-            ["step"],
-            buckets=LATENCY_BUCKETS,
-            registry=reg,
-        )
         self.checkpoint_phase = Gauge(
             "gymrpc_checkpoint_phase", "1 for the participant's current control-plane phase", ["phase"], registry=reg
         )
@@ -144,9 +136,6 @@ class ServerMetrics:
             self.episodes_inflight.dec()
             if code is not grpc.StatusCode.OK:
                 self.episodes_failed.labels(code.name).inc()
-        step = CHECKPOINT_STEPS.get(method.removeprefix(PARTICIPANT)) if method.startswith(PARTICIPANT) else None
-        if step is not None and code is grpc.StatusCode.OK:
-            self.checkpoint_duration.labels(step).observe(time.perf_counter() - started)
 
     def reply(self, method: str, request: Any, response: Any) -> None:
         """Read what a successful reply (or streamed item) says about episodes, tokens and checkpoints."""

@@ -316,7 +316,7 @@ class LocalLauncher:
             restart=self.spec.restart,
             log_path=self.log_path(spec.label(endpoint_id)),
             bind=spec.bind,
-            ready_file=self.run_dir / "registry.ready" if is_registry else None,
+            ready_file=rundir.registry_ready(self.run_dir) if is_registry else None,
             tls=self.tls.servers[spec.name] if self.tls else None,
             client_tls=self.tls.client if self.tls else None,
             insecure=self.spec.insecure,

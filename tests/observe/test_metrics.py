@@ -21,10 +21,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gymrpc import rundir
 from gymrpc.launch.spec import parse_stack_spec
 from gymrpc.registry import RegistryClient
 from gymrpc.rollouts.checkpointing import LATEST
 from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding, start_server
+from gymrpc.servers.metrics import PARTICIPANT
 from gymrpc.servers.registry.service import CONTROL_METHODS, RegistryServicer
 from gymrpc.v1 import registry_service_pb2 as registry_pb
 from gymrpc.v1 import registry_service_pb2_grpc as registry_grpc
@@ -120,8 +122,8 @@ def test_counters_move_through_a_checkpoint_a_sigkill_and_a_resume(start_stack: 
     wait(lambda: (ckpt / LATEST).exists(), "SIGUSR1 took no checkpoint")
     for name in SERVERS:
         samples = scrape(urls[name])
-        assert total(samples, "gymrpc_checkpoint_step_duration_seconds_count", step="prepare") >= 1, name
-        assert total(samples, "gymrpc_checkpoint_step_duration_seconds_count", step="commit") >= 1, name
+        assert total(samples, "gymrpc_rpc_duration_seconds_count", method=PARTICIPANT + "Prepare") >= 1, name
+        assert total(samples, "gymrpc_rpc_duration_seconds_count", method=PARTICIPANT + "Commit") >= 1, name
         assert total(samples, "gymrpc_checkpoint_written_bytes_total") > 0, name
         assert total(samples, "gymrpc_checkpoint_last_commit_timestamp_seconds") > 0, name
     proc.send_signal(signal.SIGTERM)  # checkpoint, stop, exit 75 (the rollout is still running)
@@ -145,8 +147,8 @@ def test_counters_move_through_a_checkpoint_a_sigkill_and_a_resume(start_stack: 
     assert total(agent, "gymrpc_episodes_resumed_total") == continued
     assert total(agent, "gymrpc_episodes_inflight") == 0
     for name in SERVERS:
-        assert total(scrape(urls[name]), "gymrpc_checkpoint_step_duration_seconds_count", step="restore") == 1, name
-    registry = scrape(json.loads((stack.run_dir / "registry.ready").read_text())["metrics"])
+        assert total(scrape(urls[name]), "gymrpc_rpc_duration_seconds_count", method=PARTICIPANT + "Restore") == 1, name
+    registry = scrape(json.loads(rundir.registry_ready(stack.run_dir).read_text())["metrics"])
     for name in SERVERS:
         assert total(registry, "gymrpc_registry_registrations_total", name=name) >= 2, name  # started, restarted
 
