@@ -243,7 +243,7 @@ def _command(
     name: str,
     help: str,
     func: Callable[[argparse.Namespace], int],
-    add: Callable[[argparse.ArgumentParser], None] | None = None,
+    add: Callable[[argparse.ArgumentParser], object] | None = None,
     *,
     stack: bool = True,
 ) -> argparse.ArgumentParser:
