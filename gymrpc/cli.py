@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gymrpc import logs, rundir
 from gymrpc.launch.options import check_stack_args
@@ -229,13 +231,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     return int(args.train_func(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gymrpc", description="Crash-surviving agentic rollouts over gRPC.")
-    parser.add_argument("--run-dir", help="run folder (default $GYMRPC_RUN_DIR or ./.gymrpc)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="launch a stack and supervise it (foreground unless --detach)")
+def _stack_options() -> argparse.ArgumentParser:
+    """Options every command that reaches a stack takes (a parent parser: added once, not by hand)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--run-dir", default=argparse.SUPPRESS)  # also before the command; see build_parser
+    return parent
+
+
+def _command(
+    sub: Any,
+    name: str,
+    help: str,
+    func: Callable[[argparse.Namespace], int],
+    add: Callable[[argparse.ArgumentParser], object] | None = None,
+    *,
+    stack: bool = True,
+) -> argparse.ArgumentParser:
+    """Subcommand `name` running `func`; `add` adds its own arguments; `stack`: it takes the stack options."""
+    parser = sub.add_parser(name, help=help, parents=[_stack_options()] if stack else [])
+    if add is not None:
+        add(parser)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("config", nargs="?", help="stack YAML (default: the embedded default stack)")
-    up.add_argument("--run-dir", default=argparse.SUPPRESS)
     up.add_argument("--detach", action="store_true", help="run in the background; return once serving")
     up.add_argument(
         "--tls",
@@ -243,55 +264,83 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve TLS and mTLS: a private CA and per-server certificates in the run folder (docs/security.md)",
     )
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for --detach")
-    up.set_defaults(func=cmd_up)
-    status = sub.add_parser("status", help="names, addresses, health and restart counts")
-    status.add_argument("--run-dir", default=argparse.SUPPRESS)
-    status.add_argument("--json", action="store_true")
-    status.set_defaults(func=cmd_status)
-    down = sub.add_parser("down", help="stop the stack cleanly")
-    down.add_argument("--run-dir", default=argparse.SUPPRESS)
-    down.add_argument("--timeout", type=float, default=60.0)
-    down.set_defaults(func=cmd_down)
-    from gymrpc.rollouts.command import add_arguments as add_rollouts_arguments
 
-    rollouts = sub.add_parser("rollouts", help="run a task file through an agent; one JSON line per episode")
-    rollouts.add_argument("--run-dir", default=argparse.SUPPRESS)
-    add_rollouts_arguments(rollouts)
-    rollouts.set_defaults(func=cmd_rollouts)
-    report = sub.add_parser("report", help="the summary of a results file, rebuilt from its lines")
+
+def _report_arguments(report: argparse.ArgumentParser) -> None:
     report.add_argument("results", type=Path, help="a results JSONL written by gymrpc rollouts")
     report.add_argument("--json", action="store_true", help="the summary as one JSON object")
-    report.set_defaults(func=cmd_report)
-    from gymrpc.demo import add_arguments as add_demo_arguments
 
-    demo = sub.add_parser("demo", help="launch the default stack, collect rollouts, crash it, resume from checkpoints")
-    demo.add_argument("--run-dir", default=argparse.SUPPRESS)
-    add_demo_arguments(demo)
-    demo.set_defaults(func=cmd_demo)
+
+def build_parser() -> argparse.ArgumentParser:
     from gymrpc.call import add_arguments as add_call_arguments
-
-    call = sub.add_parser("call", help="call any method by stable name with JSON, through server reflection")
-    call.add_argument("--run-dir", default=argparse.SUPPRESS)
-    add_call_arguments(call)
-    call.set_defaults(func=cmd_call)
     from gymrpc.ctl import add_arguments as add_ctl_arguments
-
-    ctl = sub.add_parser("ctl", help="coordinated checkpoints by hand: status, prepare, commit, resume, restore, ...")
-    ctl.add_argument("--run-dir", default=argparse.SUPPRESS)
-    add_ctl_arguments(ctl)
-    ctl.set_defaults(func=cmd_ctl)
+    from gymrpc.demo import add_arguments as add_demo_arguments
+    from gymrpc.rollouts.command import add_arguments as add_rollouts_arguments
     from gymrpc.top import add_arguments as add_top_arguments
-
-    top = sub.add_parser("top", help="live view of a running stack from its metrics (`metrics: true`)")
-    top.add_argument("--run-dir", default=argparse.SUPPRESS)
-    add_top_arguments(top)
-    top.set_defaults(func=cmd_top)
     from gymrpc.train.command import add_arguments as add_train_arguments
 
-    train = sub.add_parser("train", help="the reference GRPO trainer: init (a weak start), run (train; --resume)")
-    train.add_argument("--run-dir", default=argparse.SUPPRESS)
-    add_train_arguments(train)
-    train.set_defaults(func=cmd_train)
+    parser = argparse.ArgumentParser(prog="gymrpc", description="Crash-surviving agentic rollouts over gRPC.")
+    parser.add_argument("--run-dir", help="run folder (default $GYMRPC_RUN_DIR or ./.gymrpc)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _command(sub, "up", "launch a stack and supervise it (foreground unless --detach)", cmd_up, _up_arguments)
+    _command(
+        sub,
+        "status",
+        "names, addresses, health and restart counts",
+        cmd_status,
+        lambda p: p.add_argument("--json", action="store_true"),
+    )
+    _command(
+        sub,
+        "down",
+        "stop the stack cleanly",
+        cmd_down,
+        lambda p: p.add_argument("--timeout", type=float, default=60.0),
+    )
+    _command(
+        sub,
+        "rollouts",
+        "run a task file through an agent; one JSON line per episode",
+        cmd_rollouts,
+        add_rollouts_arguments,
+    )
+    _command(
+        sub,
+        "report",
+        "the summary of a results file, rebuilt from its lines",
+        cmd_report,
+        _report_arguments,
+        stack=False,
+    )
+    _command(
+        sub,
+        "demo",
+        "launch the default stack, collect rollouts, crash it, resume from checkpoints",
+        cmd_demo,
+        add_demo_arguments,
+    )
+    _command(
+        sub,
+        "call",
+        "call any method by stable name with JSON, through server reflection",
+        cmd_call,
+        add_call_arguments,
+    )
+    _command(
+        sub,
+        "ctl",
+        "coordinated checkpoints by hand: status, prepare, commit, resume, restore, ...",
+        cmd_ctl,
+        add_ctl_arguments,
+    )
+    _command(sub, "top", "live view of a running stack from its metrics (`metrics: true`)", cmd_top, add_top_arguments)
+    _command(
+        sub,
+        "train",
+        "the reference GRPO trainer: init (a weak start), run (train; --resume)",
+        cmd_train,
+        add_train_arguments,
+    )
     return parser
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ from gymrpc.v1 import (
     model_service_pb2_grpc,
     participant_service_pb2,
     participant_service_pb2_grpc,
+    registry_service_pb2,
     resources_service_pb2,
     resources_service_pb2_grpc,
     weights_service_pb2,
@@ -272,6 +273,14 @@ class Client:
             finally:
                 del self._resolving[name]
         return await asyncio.shield(pending)
+
+    async def list_endpoints(self, prefix: str = "") -> Sequence[registry_service_pb2.Endpoint]:
+        """Every registered replica of every name starting with `prefix` (`Controller` discovery)."""
+        return await self.registry.list(prefix)
+
+    async def resolve_endpoints(self, name: str) -> Sequence[registry_service_pb2.Endpoint]:
+        """Every registered replica of `name`, asked of the registry now (not the cache)."""
+        return await self.registry.resolve(name)
 
     async def refresh(self, name: str) -> None:
         """Forget where `name`'s sessions were placed and resolve its replicas again.

@@ -38,10 +38,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from gymrpc.client import Client
 from gymrpc.control.index import endpoint_order, index_sources, read_index, sources_of, write_index
+from gymrpc.control.membership import Directory, Member
 from gymrpc.control.store import checkpoint_episodes
 from gymrpc.control.trainer_state import TrainerState, reference
 from gymrpc.control.types import (
@@ -86,45 +86,12 @@ _REFUSED_BEFORE_INSTALL = (InvalidArgument, NotFound, DataLoss)
 """Restore refusals a participant gives only before it installs anything (bad request, data)."""
 
 
-def _label(name: str, endpoint_id: str | None, replicas: int) -> str:
-    return name if endpoint_id is None or replicas == 1 else f"{name}#{endpoint_id}"
-
-
 class _Labelled(Protocol):
     @property
     def label(self) -> str: ...
 
 
 T = TypeVar("T", bound=_Labelled)
-
-
-class _Endpoint(NamedTuple):
-    """A registered replica, before `GetStatus` says whether (and what) participant it is."""
-
-    name: str
-    endpoint_id: str | None
-    replicas: int
-
-    @property
-    def label(self) -> str:
-        return _label(self.name, self.endpoint_id, self.replicas)
-
-
-@dataclass(frozen=True)
-class Member:
-    """One participant: a replica of a name, addressed directly by its endpoint id."""
-
-    name: str
-    kind: Kind
-    endpoint_id: str | None = None
-    """Replica id behind `name`; None: the name itself (a client without a registry, as test doubles)."""
-    replicas: int = 1
-    """Replicas of `name` discovered; with more than one, labels tell them apart."""
-
-    @property
-    def label(self) -> str:
-        """Key of this member in every reply map: `name`, or `name#endpoint_id` when the name has replicas."""
-        return _label(self.name, self.endpoint_id, self.replicas)
 
 
 @dataclass
@@ -202,12 +169,13 @@ class Controller:
     """Control calls across the participants of the stack `client` reaches.
 
     Args:
-        client: a `gymrpc.Client` holding the control token.
+        client: a `gymrpc.Client` holding the control token, or any other `Directory`
+            (`gymrpc.control.membership`): how participants are listed and reached.
         names: the participants; default: every registered name that answers `GetStatus`.
         prefix: with `names` unset, only registry names starting with it.
     """
 
-    def __init__(self, client: Client, *, names: Sequence[str] | None = None, prefix: str = "") -> None:
+    def __init__(self, client: Directory, *, names: Sequence[str] | None = None, prefix: str = "") -> None:
         self.client = client
         self._names = list(names) if names is not None else None
         self._prefix = prefix
@@ -226,7 +194,7 @@ class Controller:
         )
         kinds = set(Kind)
         members = [
-            Member(t.name, Kind(reply.kind), t.endpoint_id, t.replicas)
+            t.of_kind(Kind(reply.kind))
             for t in found
             if (reply := replies.get(t.label)) is not None and reply.kind in kinds
         ]
@@ -235,27 +203,24 @@ class Controller:
         )
         return self.members
 
-    async def _endpoints(self) -> list[_Endpoint]:
-        """Every registered replica of the participant names (or of `names`), from the registry."""
-        registry = getattr(self.client, "registry", None)
-        if registry is None:  # a client that only addresses names (an in-process test double)
-            return [_Endpoint(n, None, 1) for n in self._names or ()]
+    async def _endpoints(self) -> list[Member]:
+        """Every registered replica of the participant names (or of `names`), kind not yet known."""
         if self._names is None:
-            listed = await registry.list(self._prefix)
+            listed = await self.client.list_endpoints(self._prefix)
         else:
-            names = [_Endpoint(n, None, 1) for n in self._names]
-            resolved = await self._fan("discover", names, lambda t: registry.resolve(t.name))
+            names = [Member(n) for n in self._names]
+            resolved = await self._fan("discover", names, lambda t: self.client.resolve_endpoints(t.name))
             listed = [e for t in names for e in resolved[t.label]]
         _refuse_durable_agents(listed)
-        ids: dict[str, set[str]] = {}
+        ids: dict[str, set[str | None]] = {}
         for endpoint in listed:
-            ids.setdefault(endpoint.name, set()).add(endpoint.endpoint_id)
-        return [_Endpoint(n, i, len(ids[n])) for n in sorted(ids) for i in sorted(ids[n], key=endpoint_order)]
+            ids.setdefault(endpoint.name, set()).add(endpoint.endpoint_id or None)
+        return [Member(n, None, i, len(ids[n])) for n in sorted(ids) for i in sorted(ids[n], key=endpoint_order)]
 
     async def _members(self) -> list[Member]:
         return self.members or await self.discover()
 
-    def _stub(self, target: Member | _Endpoint) -> Any:
+    def _stub(self, target: Member) -> Any:
         if target.endpoint_id is None:
             return self.client.participant(target.name)
         return self.client.participant(target.name, target.endpoint_id)
@@ -445,7 +410,7 @@ class Controller:
                     metadata={"episodes": shown, "missing": str(len(missing))},
                 )
         # Placement is over the replicas registered now, never over those of a stack seen earlier.
-        members = await (self.discover() if getattr(self.client, "registry", None) is not None else self._members())
+        members = await self.discover()
         replicas: dict[str, list[str]] = {}
         for member in members:
             if member.endpoint_id is not None:
@@ -493,12 +458,9 @@ class Controller:
 
     async def _refresh(self, names: Iterable[str]) -> None:
         """Let the client place the restored names' sessions afresh (`Client.refresh`); best effort."""
-        refresh = getattr(self.client, "refresh", None)
-        if refresh is None:
-            return
         for name in names:
             try:
-                await refresh(name)
+                await self.client.refresh(name)
             except GymrpcError as exc:
                 log.warning("could not resolve %s again after the restore: %s", name, exc)
 

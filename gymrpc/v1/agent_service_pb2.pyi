@@ -331,8 +331,9 @@ class Trajectory(_message.Message):
     session_recoveries: _builtins.int
     """Times the agent lost the episode's resources session (its resources
     server restarted) and went back to the episode's last durable checkpoint
-    to continue (durable resume only), counted by the agent process that
-    finished the episode (not kept across a crash of the agent itself).
+    to continue (durable resume only), summed over every agent process that
+    ran the attempt (kept in the episode's durable record across a crash of
+    the agent itself).
     """
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:

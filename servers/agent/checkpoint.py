@@ -54,7 +54,7 @@ def record_boundary(
     record.step, record.next_tool_index = state.step, state.next_tool_index
     record.stop_reason = state.stop_reason  # type: ignore[assignment]
     record.resume_count, record.restart_count = state.resume_count, state.restart_count
-    record.failovers = state.failovers
+    record.failovers, record.session_recoveries = state.failovers, state.session_recoveries
     record.elapsed.CopyFrom(duration(state.elapsed_s))
     if state.parked_s:
         record.parked.CopyFrom(duration(state.parked_s))
@@ -75,7 +75,7 @@ def record_completion(record: EpisodeCheckpoint, state: EpisodeState, ttl_s: flo
     record.step, record.next_tool_index = state.step, 0
     record.stop_reason = state.stop_reason  # type: ignore[assignment]
     record.resume_count, record.restart_count = state.resume_count, state.restart_count
-    record.failovers = state.failovers
+    record.failovers, record.session_recoveries = state.failovers, state.session_recoveries
     record.elapsed.CopyFrom(duration(state.elapsed_s))
     for name in (*_IN_PROGRESS_FIELDS, "resource_snapshot"):
         record.ClearField(name)  # type: ignore[arg-type]
@@ -105,6 +105,7 @@ def restore_state(state: EpisodeState, record: EpisodeCheckpoint, *, snapshot: b
     state.verify = None
     state.resume_count, state.restart_count = record.resume_count, record.restart_count
     state.failovers = record.failovers  # moves before the crash; this process adds its own
+    state.session_recoveries = record.session_recoveries  # likewise: recoveries of the runs before
     state.elapsed_s = seconds(record.elapsed)
     state.parked_s = seconds(record.parked)
 

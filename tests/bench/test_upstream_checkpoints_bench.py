@@ -5,30 +5,18 @@ No timing assertions: throughput depends on the machine and its load.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.quick import run_quick
 
 pytestmark = pytest.mark.slow
 
 
 def test_quick_upstream_checkpoint_bench_reports_figures(tmp_path: Path) -> None:
-    out = tmp_path / "upstream.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "upstream_checkpoints.py"), "--quick", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "throughput ratio (checkpointed / baseline)" in proc.stdout
-    figures = json.loads(out.read_text())
+    stdout, figures = run_quick("upstream_checkpoints.py", tmp_path, timeout=600)
+    assert "throughput ratio (checkpointed / baseline)" in stdout
     baseline, checked = figures["baseline"], figures["checkpointed"]
     assert baseline["episodes"] == checked["episodes"] == 60
     assert baseline["mean_reward"] == checked["mean_reward"] == 1.0  # checkpoints change no episode

@@ -14,7 +14,7 @@ so prepares can miss their deadline on purpose.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from gymrpc.servers.model.service import ModelServicer
 from gymrpc.servers.participant import participant_binding
 from gymrpc.servers.resources.participant import ResourcesParticipant, gate_servicer
 from gymrpc.servers.resources.service import ResourcesServicer
+from gymrpc.testing.participants import NamedDirectory
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as model_pb
@@ -226,8 +227,8 @@ class _Stub:
 
 
 @dataclass
-class DirectClient:
-    """What `Controller` uses of `gymrpc.Client` (`participant(name)`), by address instead of registry.
+class DirectClient(NamedDirectory):
+    """What `Controller` uses of `gymrpc.Client` (a `Directory`), by address instead of registry.
 
     Like `Client`, it keeps one channel and one stub per address and service (`Client.stub_at`), with
     the channel options of a resolved address (`service_channel_options`: no transparent retries).
@@ -254,7 +255,10 @@ class DirectClient:
             stub = self._stubs[key] = _Stub(self.channel(name), stub_class, control)
         return stub
 
-    def participant(self, name: str) -> Any:
+    def participant_names(self) -> Iterable[str]:
+        return self.nodes
+
+    def participant(self, name: str, endpoint_id: str | None = None) -> Any:
         return self._stub(name, pb_grpc.ParticipantServiceStub, control=True)
 
     def resources(self, name: str) -> Any:
@@ -276,7 +280,7 @@ class Deployment:
     def __init__(self, nodes: dict[str, Node]) -> None:
         self.nodes = nodes
         self.client = DirectClient(nodes)
-        self.controller = Controller(self.client, names=sorted(nodes))  # type: ignore[arg-type]
+        self.controller = Controller(self.client, names=sorted(nodes))
 
     @classmethod
     async def start(cls, names: Sequence[str], **kwargs: Any) -> Deployment:

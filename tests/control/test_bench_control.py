@@ -5,31 +5,19 @@ No timing assertions: the figures depend on the machine and its load.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.quick import run_quick
 
 pytestmark = pytest.mark.slow
 
 
 def test_quick_control_bench_reports_figures(tmp_path: Path) -> None:
-    out = tmp_path / "control.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "control.py"), "--quick", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "prepare, per participant RPC: p50" in proc.stdout
-    assert "reference (NeMo Gym)" in proc.stdout
-    figures = json.loads(out.read_text())
+    stdout, figures = run_quick("control.py", tmp_path, timeout=300)
+    assert "prepare, per participant RPC: p50" in stdout
+    assert "reference (NeMo Gym)" in stdout
     assert figures["episodes"] == 100
     assert 0 < figures["prepare_rpc_ms"]["p50"] <= figures["prepare_rpc_ms"]["p99"]
     staged = figures["prepare_staged_ms"]

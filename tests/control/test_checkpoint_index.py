@@ -48,8 +48,8 @@ class Broken:
 
 
 class ReplicaClient:
-    """What `Controller` uses of `gymrpc.Client` with replicas: a registry listing each one, and
-    `participant(name, endpoint_id)` reaching it (in-process)."""
+    """What `Controller` uses of `gymrpc.Client` with replicas (a `Directory`): each replica listed,
+    and `participant(name, endpoint_id)` reaching it (in-process)."""
 
     def __init__(self, replicas: list[Replica], broken: dict[str, set[str]] | None = None) -> None:
         self.stubs: dict[str, Any] = {}
@@ -57,10 +57,16 @@ class ReplicaClient:
             endpoint_id = replica.plane.endpoint_id
             stub = DirectStub(ParticipantServicer(replica.plane))
             self.stubs[endpoint_id] = Broken(stub, broken[endpoint_id]) if broken and endpoint_id in broken else stub
-        self.registry = self
 
-    async def list(self, prefix: str = "") -> list[registry_pb.Endpoint]:
+    async def list_endpoints(self, prefix: str = "") -> list[registry_pb.Endpoint]:
         return [registry_pb.Endpoint(name=NAME, endpoint_id=i, address=f"replica-{i}") for i in self.stubs]
+
+    async def resolve_endpoints(self, name: str) -> list[registry_pb.Endpoint]:
+        assert name == NAME
+        return await self.list_endpoints()
+
+    async def refresh(self, name: str) -> None:
+        """Nothing placed here to forget."""
 
     def participant(self, name: str, endpoint_id: str | None = None) -> Any:
         assert name == NAME
@@ -68,7 +74,7 @@ class ReplicaClient:
 
 
 def controller_of(client: ReplicaClient) -> Controller:
-    return Controller(client)  # type: ignore[arg-type]
+    return Controller(client)
 
 
 async def seeded(count: int = 2) -> list[Replica]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -13,6 +12,7 @@ from gymrpc.control import ControlPlane, EpisodeKey, Kind, Phase, Scope
 from gymrpc.controller import Controller, CoordinationError
 from gymrpc.errors import FailedPrecondition
 from gymrpc.servers.participant import ParticipantServicer
+from gymrpc.testing.participants import StubDirectory
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from tests.agent.fakes import DirectStub
 from tests.control.test_plane import Scripted
@@ -44,14 +44,11 @@ class Logged(Scripted):
         await super().retire(episodes)
 
 
-class FakeClient:
-    """What `Controller` uses of `gymrpc.Client`: `participant(name)`, here in-process."""
+class FakeClient(StubDirectory):
+    """What `Controller` uses of `gymrpc.Client` (a `Directory`), here in-process, by name."""
 
     def __init__(self, planes: dict[str, ControlPlane]) -> None:
-        self.stubs = {name: DirectStub(ParticipantServicer(plane)) for name, plane in planes.items()}
-
-    def participant(self, name: str) -> Any:
-        return self.stubs[name]
+        super().__init__({name: DirectStub(ParticipantServicer(plane)) for name, plane in planes.items()})
 
 
 NAMES = {"resources/a": Kind.RESOURCES, "agent/a": Kind.AGENT, "model/a": Kind.MODEL, "env/a": Kind.ENVIRONMENT}
@@ -60,7 +57,7 @@ NAMES = {"resources/a": Kind.RESOURCES, "agent/a": Kind.AGENT, "model/a": Kind.M
 def deployment(log: list[tuple[str, str]]) -> tuple[Controller, dict[str, Logged], dict[str, ControlPlane]]:
     parts = {name: Logged(kind, log, name) for name, kind in NAMES.items()}
     planes = {name: ControlPlane(part, name=name) for name, part in parts.items()}
-    controller = Controller(FakeClient(planes), names=sorted(NAMES))  # type: ignore[arg-type]
+    controller = Controller(FakeClient(planes), names=sorted(NAMES))
     return controller, parts, planes
 
 

@@ -2,6 +2,9 @@
 
 - Resources killed mid-episode: the restarted server has lost the session; the agent restores
   it from the last checkpoint's snapshot and the same `Run` goes on to the right result.
+- Resources killed, then the agent SIGKILLs itself after the recovered episode's next save: the
+  agent that finishes the episode reports the recovery the dead one made (`session_recoveries`
+  is kept in the episode's durable record).
 - Whole stack killed (launcher and every server at once), started again on the same resume
   folder: finished episodes come back from the cache without a single model call, unfinished
   ones resume from their last boundary.
@@ -16,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from gymrpc.client import Client
+from gymrpc.errors import Unavailable
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from tests.resume.helpers import POLICY, agent, expected_count, kill_all, record, stack, task
+from tests.resume.helpers import POLICY, agent, crash_env, expected_count, kill_all, record, stack, task
 
 TOKEN_DELAY = 0.02
 """Seconds per generated token: about half a second per model call, room to kill something meanwhile."""
@@ -54,6 +58,37 @@ def test_resources_killed_mid_episode_session_is_restored_from_the_snapshot(star
     assert (trajectory.resume_count, trajectory.restart_count) == (0, 0)
     log = (run_dir / "logs" / "agent__simple.log").read_text()
     assert "the resources session was lost; continuing from the last checkpoint" in log
+
+
+def test_session_recoveries_survive_a_crash_of_the_agent_that_made_them(start_stack: Any, run_dir: Path) -> None:
+    store, marker = run_dir / "store", run_dir / "agent.crashed"
+    # After the recovered episode saves its third tool call (the read), the agent SIGKILLs itself.
+    s = start_stack(stack(agent("agent/simple", store, env=crash_env("after_tool:2", marker)), token_delay=TOKEN_DELAY))
+    t = task(1)
+    episode = common_pb2.EpisodeId(rollout_id="recovered-then-crashed")
+    request = agent_pb.RunStreamRequest(request=agent_pb.RunRequest(task=t, policy_version=POLICY, episode_id=episode))
+
+    async def scenario() -> agent_pb.Trajectory:
+        async with Client(run_dir=run_dir) as client:
+            stub: Any = client.agent("agent/simple")
+            try:
+                async for event in stub.RunStream(request, timeout=60):
+                    p = event.progress
+                    if event.HasField("progress") and p.phase == agent_pb.EPISODE_PHASE_READY_FOR_MODEL and p.step == 1:
+                        s.kill("resources/counter")  # both increments applied; the read will find no session
+            except Unavailable:
+                pass  # the agent killed itself; its record holds the recovery it made
+            assert marker.exists(), "the agent never reached its crash point"
+            at_crash = record(store, episode.rollout_id)
+            assert at_crash is not None
+            assert at_crash.session_recoveries == 1
+            return await client.run(t, episode_id=episode, policy_version=POLICY, timeout=60)  # the restarted agent
+
+    trajectory = asyncio.run(scenario())
+    assert s.server("agent/simple")["restarts"] == 1
+    assert trajectory.reward == 1.0
+    assert json.loads(trajectory.verify_details_json)["count"] == expected_count(t)
+    assert (trajectory.resume_count, trajectory.session_recoveries) == (1, 1)
 
 
 def test_whole_stack_killed_finished_come_from_cache_unfinished_resume(start_stack: Any, run_dir: Path) -> None:

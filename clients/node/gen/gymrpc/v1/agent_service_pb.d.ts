@@ -338,8 +338,9 @@ export declare type Trajectory = Message<"gymrpc.v1.Trajectory"> & {
   /**
    * Times the agent lost the episode's resources session (its resources
    * server restarted) and went back to the episode's last durable checkpoint
-   * to continue (durable resume only), counted by the agent process that
-   * finished the episode (not kept across a crash of the agent itself).
+   * to continue (durable resume only), summed over every agent process that
+   * ran the attempt (kept in the episode's durable record across a crash of
+   * the agent itself).
    *
    * @generated from field: uint32 session_recoveries = 19;
    */

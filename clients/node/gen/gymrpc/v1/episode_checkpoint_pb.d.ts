@@ -239,6 +239,16 @@ export declare type EpisodeCheckpoint = Message<"gymrpc.v1.EpisodeCheckpoint"> &
    * @generated from field: uint32 failovers = 27;
    */
   failovers: number;
+
+  /**
+   * Times the episode's resources session was lost and the episode went back
+   * to this record's last boundary to continue, counted by every process that
+   * ran this attempt so far (`Trajectory.session_recoveries`): a run that
+   * continues the record after the agent itself crashed adds its own.
+   *
+   * @generated from field: uint32 session_recoveries = 28;
+   */
+  sessionRecoveries: number;
 };
 
 /**
