@@ -39,9 +39,6 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.timeout(1800),  # engines start slowly on a busy CPU
-    # vLLM 0.32 on a CPU cannot reload weights in place exactly (its oneDNN-packed layers stay stale),
-    # so the model server refuses updates there (docs/training.md): training end to end needs a GPU.
-    pytest.mark.skipif(not _has_gpu(), reason="vLLM reloads weights exactly only on a GPU (docs/training.md)"),
 ]
 
 TARGET = 0.9
