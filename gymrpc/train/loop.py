@@ -195,6 +195,9 @@ class Trainer:
         self.keeper = CheckpointKeeper(config.out / "checkpoints", config.keep_checkpoints)
         self.joint = JointCheckpoints(client, self.keeper)
         self.started = time.monotonic()
+        self.process_nonce = secrets.token_hex(4)
+        """In every push's request id: a retry of a push is idempotent, while a push by a resumed or
+        another trainer (same version name, maybe other weights) never collides with an old one."""
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -262,7 +265,7 @@ class Trainer:
             weight_version=version,
             path=str(folder),  # under `out`, which is absolute
             mode=self.config.update_mode,
-            request_id=f"train-{version}",
+            request_id=f"train-{self.process_nonce}-{version}",
             timeout=300,
         )
 

@@ -39,9 +39,12 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.timeout(1800),  # engines start slowly on a busy CPU
-    # vLLM 0.32 on a CPU cannot reload weights in place exactly (its oneDNN-packed layers stay stale),
-    # so the model server refuses updates there (docs/training.md): training end to end needs a GPU.
-    pytest.mark.skipif(not _has_gpu(), reason="vLLM reloads weights exactly only on a GPU (docs/training.md)"),
+    # Weights now load exactly on a CPU too, but from the documented start the trainer does not yet
+    # reach the target within the budget there (docs/training.md, "Measured"): opt in to run them.
+    pytest.mark.skipif(
+        not (_has_gpu() or os.environ.get("GYMRPC_TRAINER_E2E") == "1"),
+        reason="the reference trainer reaches 0.9 only on a GPU so far; GYMRPC_TRAINER_E2E=1 runs it here",
+    ),
 ]
 
 TARGET = 0.9

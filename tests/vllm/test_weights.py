@@ -1,8 +1,7 @@
 """Weight updates on a real vLLM engine (CPU): KEEP, CUT, and a corrupt file, with 16 generations in flight.
 
-On a CPU the model server refuses updates (vLLM's in-place reload does not repack the linear
-layers; the xfail test below shows it), so these tests opt in (`allow_inexact_cpu_reload`) to
-exercise the update mechanics: pause, continue, cut, spans, recompute, refusals.
+On a CPU too the loaded weights are exactly the new model's (one test checks them against
+transformers): the worker rebuilds the LM head's packed GEMM, which vLLM's in-place reload leaves stale.
 
 The engine is the session's random model (seed 0, "A"); the new weights are another random
 model of the same shape (seed 1, "B"). Every test drives the update the way the server does
@@ -48,8 +47,7 @@ def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def switch(random_backend: Any, random_model: Path, loop_thread: Any) -> Iterator[WeightSwitch]:
     original, model_a = random_backend.weight_version, random_model.resolve()
-    assert random_backend.weights_unsupported() is not None  # on a CPU the server refuses updates
-    random_backend.allow_inexact_cpu_reload = True  # these tests are about the update mechanics
+    assert random_backend.weights_unsupported() is None
     yield WeightSwitch(random_backend)
 
     async def put_back() -> None:  # A again, under its own name, for the rest of the session
@@ -59,7 +57,6 @@ def switch(random_backend: Any, random_model: Path, loop_thread: Any) -> Iterato
             await random_backend.set_weight_version(original)
 
     loop_thread.run(put_back())
-    random_backend.allow_inexact_cpu_reload = False
 
 
 class Run:
@@ -135,11 +132,6 @@ def test_keep_update_loses_no_generation_and_recomputes_nothing(
         assert run.token_ids[:split] == ref[:split]  # before the update: the uninterrupted run's tokens
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM 0.32 on a CPU: the in-place reload leaves the oneDNN-packed linear layers stale, which is "
-    "why VllmBackend refuses updates on a CPU (weights_unsupported)",
-)
 def test_the_loaded_weights_are_the_new_models_as_transformers_computes_them(
     switch: WeightSwitch, loop_thread: Any, other_model: Path, random_model: Path
 ) -> None:

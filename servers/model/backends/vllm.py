@@ -162,9 +162,6 @@ class VllmBackend(ModelBackend):
         """The tensors of the checkpoint the engine loaded: every update must match them."""
         self._extension = False
         """The engine's workers have `WeightsExtension` (set by `start`)."""
-        self.allow_inexact_cpu_reload = False
-        """Take updates on a CPU although the loaded weights are wrong there (tests of the update
-        mechanics only): vLLM's in-place reload leaves the oneDNN-packed linear layers stale."""
 
     @classmethod
     def start(
@@ -353,12 +350,6 @@ class VllmBackend(ModelBackend):
             )
         if self._specs is None:
             return "the model was not loaded from a local safetensors folder, so new weights cannot be checked"
-        if _is_cpu() and not self.allow_inexact_cpu_reload:
-            return (
-                "vLLM on a CPU cannot load new weights in place: it packs the linear layers for oneDNN at "
-                "load time and its in-place reload does not repack them (the model then computes neither "
-                "the old nor the new weights); start the engine on the new --model-path instead, or use a GPU"
-            )
         return None
 
     def weight_specs(self) -> Mapping[str, TensorSpec] | None:

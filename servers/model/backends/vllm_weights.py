@@ -7,8 +7,8 @@ it by name through `AsyncLLM.collective_rpc` and tensors never cross a process b
   goes on. A file that fails to read (truncated, corrupt) raises here, before anything changed.
 - `gymrpc_apply_weights()`: inside the pause, load the staged tensors through vLLM's in-place
   reload (`reload_weights(weights_iterator=..., is_checkpoint_format=True)`), which re-runs each
-  layer's weight processing. On a CPU that is not enough (vLLM 0.32 leaves the oneDNN-packed
-  linear layers stale), so `VllmBackend` refuses updates there.
+  layer's weight processing; on a CPU the LM head's packed GEMM is then rebuilt from its new
+  weight, which that reload leaves stale (vLLM 0.32).
 
 This module imports only what vLLM's worker has (torch, safetensors); it must stay importable
 by name in the engine's child processes.
@@ -57,6 +57,7 @@ class WeightsExtension:
         self._gymrpc_staged = None
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+        _repack_cpu_embedding_heads(runner.get_model())
         return len(staged)
 
     def gymrpc_weights_digest(self) -> str:
@@ -69,3 +70,22 @@ class WeightsExtension:
             digest.update(name.encode())
             digest.update(tensor.detach().float().cpu().numpy().tobytes())
         return digest.hexdigest()
+
+
+def _repack_cpu_embedding_heads(model: Any) -> None:
+    """On a CPU, rebuild the packed GEMM of every embedding-method head (the LM head) from its new weight.
+
+    vLLM packs the LM head for oneDNN (or sgl-kernel) into a closure while keeping its weight; the
+    in-place reload refreshes the weight (tied heads share the embedding's) but not that closure,
+    so without this the head would keep computing logits from the old weights.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if type(method).__name__ == "UnquantizedEmbeddingMethod" and hasattr(module, "cpu_linear"):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
