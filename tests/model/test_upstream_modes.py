@@ -52,6 +52,19 @@ def backend(upstream: RunningUpstream, mode: str = "auto", **options: Any) -> Op
     return OpenAIBackend(upstream.url, mode=mode, tokenizer=TOKENIZER, weight_version="up:1", **options)
 
 
+def play_episode(play_counter: Any, b: OpenAIBackend, row: dict[str, Any]) -> Any:
+    """One counter episode through a model servicer on `b` (closed afterwards)."""
+
+    async def main() -> Any:
+        servicer = ModelServicer(b, TOKENIZER)
+        try:
+            return await play_counter(lambda r: servicer.Generate(r, None), row)
+        finally:
+            await servicer.close()
+
+    return asyncio.run(main())
+
+
 def test_auto_picks_tokens_when_completions_take_token_ids_and_chat_otherwise(serve: Any) -> None:
     both, chat_only = serve(), serve(completions=False)
 
@@ -102,14 +115,7 @@ def test_chat_mode_plays_a_counter_episode_with_structured_tool_calls(
 ) -> None:
     chat_only = serve(completions=False)
 
-    async def main() -> Any:
-        servicer = ModelServicer(backend(chat_only), TOKENIZER)
-        try:
-            return await play_counter(lambda r: servicer.Generate(r, None), counter_rows[0])
-        finally:
-            await servicer.close()
-
-    episode = asyncio.run(main())
+    episode = play_episode(play_counter, backend(chat_only), counter_rows[0])
     assert episode.reward == 1.0
     first = episode.replies[0]
     assert first.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
@@ -138,14 +144,7 @@ def test_unstreamed_chat_mode_plays_a_counter_episode_with_the_samplers_logprobs
     """`chat_stream=False` (upstreams that do not stream): one whole reply per request."""
     chat_only = serve(completions=False)
 
-    async def main() -> Any:
-        servicer = ModelServicer(backend(chat_only, chat_stream=False), TOKENIZER)
-        try:
-            return await play_counter(lambda r: servicer.Generate(r, None), counter_rows[0])
-        finally:
-            await servicer.close()
-
-    episode = asyncio.run(main())
+    episode = play_episode(play_counter, backend(chat_only, chat_stream=False), counter_rows[0])
     assert episode.reward == 1.0
     assert all(r.tokens.token_source == common_pb2.TOKEN_SOURCE_RETOKENIZED for r in episode.replies)
     assert all(r.tokens.sampler_logprobs for r in episode.replies)
@@ -160,16 +159,10 @@ def test_a_chat_upstream_refusing_logprobs_is_asked_without_and_says_so_once(
     """auto: the probe finds the refusal; a forced chat mode (no probe): the first reply's 400 does."""
     chat_only = serve(completions=False, chat_logprobs=False)
 
-    async def main() -> tuple[Any, dict[str, str]]:
-        b = backend(chat_only, mode=mode)
-        servicer = ModelServicer(b, TOKENIZER)
-        try:
-            return await play_counter(lambda r: servicer.Generate(r, None), counter_rows[0]), b.status_details()
-        finally:
-            await servicer.close()
-
+    b = backend(chat_only, mode=mode)
     with caplog.at_level(logging.WARNING, logger="gymrpc"):
-        episode, details = asyncio.run(main())
+        episode = play_episode(play_counter, b, counter_rows[0])
+    details = b.status_details()
     assert episode.reward == 1.0
     assert details["upstream_mode"] == "chat"
     assert all(not r.tokens.sampler_tokens and not r.tokens.sampler_logprobs for r in episode.replies)
@@ -195,14 +188,7 @@ def test_tokens_mode_plays_a_counter_episode_with_the_samplers_ids(
 ) -> None:
     tokens = serve(chat=False)
 
-    async def main() -> Any:
-        servicer = ModelServicer(backend(tokens), TOKENIZER)
-        try:
-            return await play_counter(lambda r: servicer.Generate(r, None), counter_rows[1])
-        finally:
-            await servicer.close()
-
-    episode = asyncio.run(main())
+    episode = play_episode(play_counter, backend(tokens), counter_rows[1])
     assert episode.reward == 1.0
     assert all(r.tokens.token_source == common_pb2.TOKEN_SOURCE_SAMPLER for r in episode.replies)
     assert all(len(r.tokens.completion_logprobs) == len(r.tokens.completion_token_ids) for r in episode.replies)
