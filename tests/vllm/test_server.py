@@ -174,6 +174,13 @@ async def _run(client: Client, rollout_id: str, attempt: int = 0) -> Any:
     return (await client.agent("agent/simple").Run(request, timeout=120)).trajectory
 
 
+async def _until_agent_runs(controller: Controller, episodes: int) -> None:
+    """Until the agent holds `episodes` live episodes: a fixed sleep misses a Run still in transit on a busy machine."""
+    async with asyncio.timeout(60):
+        while (await controller.status())["agent/simple"].report.counts["live"] < episodes:
+            await asyncio.sleep(0.01)
+
+
 def test_checkpoint_sigkill_restore_continues_with_the_ledger_intact(stack: VllmStack, tmp_path: Path) -> None:
     """In-flight episodes checkpointed; every server SIGKILLed (the vLLM engine must die with its
     server); restored into the restarted processes; attempt 1 ends exactly as an uninterrupted run,
@@ -188,9 +195,10 @@ def test_checkpoint_sigkill_restore_continues_with_the_ledger_intact(stack: Vllm
             assert kinds == {Kind.RESOURCES, Kind.MODEL, Kind.AGENT}
             reference = _outcome(await _run(client, "ck-reference"))
             running = [asyncio.ensure_future(_run(client, r)) for r in rollouts]
-            await asyncio.sleep(0.05)  # inside their first turns
+            await _until_agent_runs(controller, len(rollouts))  # all inside their first turns
             result = await controller.checkpoint(tmp_path, episode_ids=scope, checkpoint_id="ckpt-1", stop=True)
             assert result.committed
+            assert result.continued == scope, f"not in flight at the checkpoint: {result.restarted}"
             for task in running:  # their calls die with the stack
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
