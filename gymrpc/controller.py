@@ -410,7 +410,7 @@ class Controller:
                     metadata={"episodes": shown, "missing": str(len(missing))},
                 )
         # Placement is over the replicas registered now, never over those of a stack seen earlier.
-        members = await self.discover()
+        members = await self.discover(timeout=max(deadline - time.time(), 1.0))  # within the restore's own deadline
         replicas: dict[str, list[str]] = {}
         for member in members:
             if member.endpoint_id is not None:
