@@ -310,9 +310,12 @@ async def serve(
     bindings: Sequence[ServiceBinding],
     *,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    on_start: Callable[[RunningServer], None] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then stop gracefully and run `on_stop`."""
     running = await start_server(config, bindings)
+    if on_start is not None:
+        on_start(running)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

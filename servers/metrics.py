@@ -9,12 +9,15 @@ names, never episode ids.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from prometheus_client.process_collector import ProcessCollector
 
 from gymrpc.v1 import agent_service_pb2, common_pb2, participant_service_pb2
@@ -106,6 +109,10 @@ class ServerMetrics:
         self._phase = ""
         self.http: Any = None
 
+    def watch_store(self, stats: Callable[[], Any]) -> None:
+        """Export a durable episode store's counters (`gymrpc.store` `CommitStats` or a subclass), read at scrape time."""
+        self.registry.register(_StoreCollector(stats))
+
     def serve(self, host: str, port: int) -> str:
         """Serve `/metrics` on host:port (0 picks a free port); returns its URL."""
         self.http, _thread = start_http_server(port, addr=host, registry=self.registry)
@@ -194,3 +201,29 @@ class ServerMetrics:
         PARTICIPANT + "Restore": _phase_reply,
         REGISTRY_REGISTER: _register_reply,
     }
+
+
+_STORE_HELP = {
+    "writes": ("gymrpc_store_records_written", "Episode records made durable"),
+    "bytes": ("gymrpc_store_written_bytes", "Bytes the episode store wrote"),
+    "batches": ("gymrpc_store_group_commits", "Group commits (batches made durable together)"),
+    "fsyncs": ("gymrpc_store_fsyncs", "fsync/fdatasync/syncfs calls of the episode store, folders included"),
+    "failures": ("gymrpc_store_failed_writes", "Record writes that failed (the episode's call failed with them)"),
+    "full_frames": ("gymrpc_store_full_frames", "Log records holding a whole episode"),
+    "delta_frames": ("gymrpc_store_delta_frames", "Log records holding only what changed since the previous boundary"),
+    "compactions": ("gymrpc_store_compactions", "Log compactions"),
+}
+
+
+class _StoreCollector(Collector):
+    """Reads the store's own counters when scraped: the store's commit thread stays free of metric calls."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._stats()
+        for field in dataclasses.fields(stats):
+            if field.name in _STORE_HELP:
+                name, documentation = _STORE_HELP[field.name]
+                yield CounterMetricFamily(name, documentation, value=getattr(stats, field.name))

@@ -33,7 +33,14 @@ from gymrpc.servers.agent.faults import CrashingResources, CrashPlan
 from gymrpc.servers.agent.participant import AgentParticipant
 from gymrpc.servers.agent.service import AgentConfig, AgentServicer
 from gymrpc.servers.agent.state import EpisodeState
-from gymrpc.servers.bootstrap import ServiceBinding, add_common_arguments, config_from_arguments, run, serve
+from gymrpc.servers.bootstrap import (
+    RunningServer,
+    ServiceBinding,
+    add_common_arguments,
+    config_from_arguments,
+    run,
+    serve,
+)
 from gymrpc.servers.participant import add_participant_arguments, start_plane, wants_participant
 from gymrpc.store import EpisodeStore, FilesystemEpisodeStore, LogEpisodeStore
 from gymrpc.v1 import agent_service_pb2 as pb
@@ -219,7 +226,11 @@ def main() -> None:
                 await store.close()
                 log.info("episode store stats", extra=asdict(store.stats))
 
-        await serve(server_config, bindings, on_stop=on_stop)
+        def on_start(running: RunningServer) -> None:
+            if running.metrics is not None and store is not None:
+                running.metrics.watch_store(lambda: store.stats)
+
+        await serve(server_config, bindings, on_stop=on_stop, on_start=on_start)
 
     run(f"agent:{args.name.partition('/')[2]}", main_async, args.log_level)
 

@@ -22,6 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gymrpc import rundir
+from gymrpc.client import Client
 from gymrpc.launch.spec import parse_stack_spec
 from gymrpc.registry import RegistryClient
 from gymrpc.rollouts.checkpointing import LATEST
@@ -30,6 +31,7 @@ from gymrpc.servers.metrics import PARTICIPANT
 from gymrpc.servers.registry.service import CONTROL_METHODS, RegistryServicer
 from gymrpc.v1 import registry_service_pb2 as registry_pb
 from gymrpc.v1 import registry_service_pb2_grpc as registry_grpc
+from tests.resume.helpers import POLICY, agent, stack, task
 from tests.rollouts.test_checkpointing import ROOT, SERVERS, argv, config, env, lines, wait
 
 MORE = ("--repeats", "8")
@@ -165,3 +167,30 @@ def test_counters_move_through_a_checkpoint_a_sigkill_and_a_resume(start_stack: 
     assert set(rows) == {"registry/main", *SERVERS}, top.stdout
     assert all(row[1] == "serving" for row in rows.values()), top.stdout
     assert int(rows["agent/counter"][4]) >= continued, top.stdout  # finished episodes, from its metrics
+
+
+def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: Any, run_dir: Path) -> None:
+    """An agent with `resume_dir`: its records, group commits and fsyncs are counters on its page."""
+    config = {**stack(agent("agent/durable", run_dir / "episodes")), "metrics": True}
+    start_stack(config)
+
+    async def episodes() -> list[Any]:
+        async with Client(run_dir=run_dir) as client:
+            return await asyncio.gather(
+                *(
+                    client.run(task(i), episode_id=f"m-{i}", policy_version=POLICY, agent="agent/durable")
+                    for i in range(3)
+                )
+            )
+
+    assert [t.reward for t in asyncio.run(episodes())] == [1.0] * 3
+    page = scrape(metrics_urls(run_dir)["agent/durable"])
+    records = total(page, "gymrpc_store_records_written_total")
+    assert records >= 3 * 3  # each episode has at least three durable boundaries
+    assert total(page, "gymrpc_store_full_frames_total") + total(page, "gymrpc_store_delta_frames_total") == records
+    assert total(page, "gymrpc_store_delta_frames_total") > 0  # later boundaries store only what changed
+    assert 1 <= total(page, "gymrpc_store_group_commits_total") <= records
+    assert total(page, "gymrpc_store_fsyncs_total") >= total(page, "gymrpc_store_group_commits_total")
+    assert total(page, "gymrpc_store_written_bytes_total") > 0
+    assert total(page, "gymrpc_store_failed_writes_total") == 0
+    assert "gymrpc_store_fsyncs_total" not in {n for n, _ in scrape(metrics_urls(run_dir)["model/policy"])}
