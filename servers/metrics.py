@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
 from gymrpc.v1 import agent_service_pb2, common_pb2, participant_service_pb2
 
@@ -110,7 +110,7 @@ class ServerMetrics:
         self.http: Any = None
 
     def watch_store(self, stats: Callable[[], Any]) -> None:
-        """Export a durable episode store's counters (`gymrpc.store` `CommitStats` or a subclass), read at scrape time."""
+        """Export a durable episode store's counters (`gymrpc.store.CommitStats` or a subclass) at scrape time."""
         self.registry.register(_StoreCollector(stats))
 
     def serve(self, host: str, port: int) -> str:
