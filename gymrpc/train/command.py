@@ -49,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--group-size", type=_positive, default=8, help="episodes per task, G (default %(default)s)")
     run.add_argument("--concurrency", type=_positive, default=64, help="episodes at once (default %(default)s)")
     run.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default %(default)s)")
-    run.add_argument("--clip-low", type=float, default=0.2)
-    run.add_argument("--clip-high", type=float, default=0.28)
+    run.add_argument(
+        "--max-weight", type=float, default=2.0, help="cap on a token's importance weight (default %(default)s)"
+    )
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--max-tokens", type=_positive, default=64, help="tokens per model call (default %(default)s)")
     run.add_argument("--max-steps", type=_positive, default=4, help="model calls per episode (default %(default)s)")
@@ -122,7 +123,7 @@ async def _run(args: argparse.Namespace, config: TrainConfig, tasks: list[Rollou
         elif model is None:
             print("gymrpc train run: nothing to resume and no --model to start from", file=sys.stderr)
             return EXIT_USAGE
-    hyper = Hyper(lr=args.lr, clip_low=args.clip_low, clip_high=args.clip_high)
+    hyper = Hyper(lr=args.lr, max_weight=args.max_weight)
     policy = await asyncio.to_thread(Policy, model, hyper, seed=args.seed)
     try:
         client = Client(run_dir=run_dir)
