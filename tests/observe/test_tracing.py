@@ -19,10 +19,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gymrpc import tracing
 from gymrpc.client import Client
+from gymrpc.control import EpisodeKey, Phase
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
 from tests.agent.fakes import counter_tasks
 from tests.agent.test_integration import stack
+from tests.control.test_agent_participant import GatedModel, Stack, until
 from tests.resume.helpers import POLICY, agent, crash_env, record, task
 from tests.resume.helpers import stack as resume_stack
 
@@ -158,3 +160,37 @@ def test_a_resumed_episode_is_a_new_trace_linked_to_the_killed_run(
     stored = record(folder, "ep-traced")
     assert stored is not None
     assert stored.traceparent.split("-")[2] == episode["context"]["span_id"][2:]
+
+
+def test_an_episode_continued_after_a_coordinated_restore_links_to_the_checkpointed_run(
+    spans: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        first = Stack(GatedModel(), tool_delay=0.2)
+        running = asyncio.ensure_future(first.run("ep"))
+        live = first.participant._live
+        await until(lambda: bool(live) and live[EpisodeKey("ep", 0)].state.step >= 1)
+        (phase, report), _ = await first.prepare("c1")
+        assert phase is Phase.PREPARED, report
+        folder = tmp_path / "c1"
+        await first.commit("c1", folder, frozenset({EpisodeKey("ep", 0)}))
+        running.cancel()  # the process dies
+        await asyncio.gather(running, return_exceptions=True)
+        await first.resume("c1")
+        await first.close()
+        second = Stack(GatedModel())
+        await second.restore("r1", folder, [EpisodeKey("ep", 0)])
+        await second.resume("r1")
+        assert (await second.run("ep", 1)).resume_count == 1
+        await second.close()
+
+    asyncio.run(scenario())
+    first, second = (s for s in spans.get_finished_spans() if s.name == "episode")
+    assert first.attributes is not None
+    assert second.attributes is not None
+    assert (first.attributes["gymrpc.attempt"], second.attributes["gymrpc.attempt"]) == (0, 1)
+    assert first.context is not None
+    assert second.context is not None
+    assert first.context.trace_id != second.context.trace_id
+    [link] = second.links
+    assert (link.context.trace_id, link.context.span_id) == (first.context.trace_id, first.context.span_id)
