@@ -25,6 +25,7 @@ from gymrpc.v1 import common_pb2
 from tests.agent.fakes import counter_tasks
 from tests.agent.test_integration import stack
 from tests.control.test_agent_participant import GatedModel, Stack, until
+from tests.control.test_controller import E0, deployment
 from tests.resume.helpers import POLICY, agent, crash_env, record, task
 from tests.resume.helpers import stack as resume_stack
 
@@ -194,3 +195,21 @@ def test_an_episode_continued_after_a_coordinated_restore_links_to_the_checkpoin
     assert first.context.trace_id != second.context.trace_id
     [link] = second.links
     assert (link.context.trace_id, link.context.span_id) == (first.context.trace_id, first.context.span_id)
+
+
+def test_a_checkpoint_is_one_trace_of_its_phases(spans: InMemorySpanExporter, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        controller, _, planes = deployment([])
+        await controller.discover()
+        assert (await controller.checkpoint(tmp_path, episode_ids=[E0], checkpoint_id="c1")).committed
+        for plane in planes.values():
+            await plane.close()
+
+    asyncio.run(scenario())
+    finished = spans.get_finished_spans()
+    [root] = [s for s in finished if s.name == "checkpoint"]
+    assert root.context is not None
+    assert root.attributes is not None
+    assert root.attributes["gymrpc.operation_id"] == "c1"
+    phases = [s.name for s in finished if s.parent is not None and s.parent.span_id == root.context.span_id]
+    assert phases == ["checkpoint.prepare", "checkpoint.commit", "checkpoint.resume"]
