@@ -73,8 +73,8 @@ def setup_from_env(service_name: str, environ: Mapping[str, str] | None = None) 
     path = env.get(TRACES_FILE_ENV)
     if not names and not path:
         return False
-    attributes = {} if env.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service_name}
-    provider = TracerProvider(resource=Resource.create(attributes))
+    resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service_name})
+    provider = TracerProvider(resource=resource)
     for name in names:
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

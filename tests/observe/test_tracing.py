@@ -107,6 +107,24 @@ def test_tracing_stays_off_without_an_exporter(monkeypatch: pytest.MonkeyPatch) 
     assert not tracing.enabled()
 
 
+def test_the_exporters_and_service_name_come_from_the_otel_variables() -> None:
+    try:
+        assert tracing.setup_from_env("resources/x", {"OTEL_TRACES_EXPORTER": "otlp,console"})
+        assert tracing.setup_from_env("model/y", {})  # the first call wins: one provider per process
+    finally:
+        tracing.shutdown()  # no span was made: the OTLP exporter has nothing to send
+    assert not tracing.enabled()
+    for env, name in (({}, "resources/x"), ({"OTEL_SERVICE_NAME": "mine"}, "mine")):
+        assert tracing.setup_from_env("resources/x", {"OTEL_TRACES_EXPORTER": "console", **env})
+        try:
+            with tracing.span("probe") as span:
+                assert span is not None
+                assert span.resource.attributes["service.name"] == name  # type: ignore[attr-defined]
+        finally:
+            tracing.shutdown()
+    assert not tracing.enabled()
+
+
 def _read_spans(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
