@@ -222,8 +222,12 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
 @contextlib.contextmanager
 def _episode_span(state: EpisodeState) -> Iterator[None]:
     """The episode's span (tracing on): the model, tool and resources calls of this run are its children."""
-    identity = {"gymrpc.rollout_id": state.rollout_id, "gymrpc.attempt": state.attempt}
-    with tracing.span("episode", **identity, **{"gymrpc.task_id": state.task.task_id}) as span:
+    identity = {
+        "gymrpc.rollout_id": state.rollout_id,
+        "gymrpc.attempt": state.attempt,
+        "gymrpc.task_id": state.task.task_id,
+    }
+    with tracing.span("episode", **identity) as span:
         state.traceparent = tracing.traceparent()
         try:
             yield
