@@ -6,18 +6,25 @@ Patches (none touch the files; they replace attributes in this process only):
   inline-env  `SessionHost.run` calls environment code on the event loop instead of its thread pool
   uvloop      the server's event loop is uvloop instead of asyncio's default loop
   no-guard    `start_server` adds servicers without `gymrpc.servers.guard` (no token check, no error mapping)
+
+Not patches but real configurations, measured against the same server without them:
+  metrics     `--metrics-port 0`
+  tracing     `GYMRPC_TRACES_FILE` beside the ready file: every call a SERVER span, written as it ends
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-PATCHES = ("inline-env", "uvloop", "no-guard", "metrics")
-"""`metrics` is no patch but the real `--metrics-port 0`: metrics on, measured against the same server with them off."""
+from gymrpc.tracing import TRACES_FILE_ENV
+
+PATCHES = ("inline-env", "uvloop", "no-guard", "metrics", "tracing")
 
 
 def apply(patches: list[str]) -> None:
@@ -49,6 +56,9 @@ def main() -> None:
     sys.argv = ["gymrpc.servers.resources", *(a for a in args.rest if a != "--")]
     if "metrics" in args.patch:
         sys.argv += ["--metrics-port", "0"]
+    if "tracing" in args.patch:
+        ready = Path(sys.argv[sys.argv.index("--ready-file") + 1])
+        os.environ[TRACES_FILE_ENV] = str(ready.with_name("variant-spans.jsonl"))
     resources_main()
 
 

@@ -21,7 +21,7 @@ import grpc
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
-from gymrpc import auth, rundir
+from gymrpc import auth, rundir, tracing
 from gymrpc.balancing import Balancer, affinity_key
 from gymrpc.channels import open_channel, service_channel_options
 from gymrpc.errors import DeadlineExceeded, GymrpcError, NotFound, RegistryUnavailable, Unavailable, from_rpc_error
@@ -419,7 +419,9 @@ class NamedStub:
                 address, left = await anext(attempts)
                 while True:
                     try:
-                        return await self._method(address, method)(request, timeout=left, metadata=self._metadata)
+                        return await self._method(address, method)(
+                            request, timeout=left, metadata=tracing.outgoing(self._metadata)
+                        )
                     except grpc.RpcError as exc:
                         err = from_rpc_error(exc)
                         if not (retryable and _is_retryable(err)):
@@ -440,7 +442,7 @@ class NamedStub:
             attempts = client._attempts(name, method.full_name, timeout, affinity_key(request), self._endpoint_id)
             address, left = await anext(attempts)
             while True:
-                stream = self._method(address, method)(request, timeout=left, metadata=self._metadata)
+                stream = self._method(address, method)(request, timeout=left, metadata=tracing.outgoing(self._metadata))
                 try:
                     first = await stream.read()
                     break

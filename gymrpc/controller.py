@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from gymrpc import tracing
 from gymrpc.control.index import endpoint_order, index_sources, read_index, sources_of, write_index
 from gymrpc.control.membership import Directory, Member
 from gymrpc.control.store import checkpoint_episodes
@@ -152,6 +153,20 @@ def _refuse_durable_agents(listed: Iterable[Any]) -> None:
         )
 
 
+def _phase_span(name: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
+    """A span `checkpoint.<name>` around an operation whose first argument is its id (tracing on)."""
+
+    def wrap(operation: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(operation)
+        async def traced(self: Any, operation_id: str, *args: Any, **kwargs: Any) -> Any:
+            with tracing.span(f"checkpoint.{name}", **{"gymrpc.operation_id": operation_id}):
+                return await operation(self, operation_id, *args, **kwargs)
+
+        return traced
+
+    return wrap
+
+
 def new_checkpoint_id(prefix: str = "ckpt") -> str:
     return f"{prefix}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
 
@@ -180,6 +195,7 @@ class Controller:
         self._names = list(names) if names is not None else None
         self._prefix = prefix
         self.members: list[Member] = []
+        tracing.setup_from_env("controller")
 
     # -- discovery ---------------------------------------------------------------------------
 
@@ -258,6 +274,7 @@ class Controller:
 
     # -- operations --------------------------------------------------------------------------
 
+    @_phase_span("prepare")
     async def prepare(self, checkpoint_id: str, *, timeout: float = 30.0) -> PrepareResult:
         """Stage by stage; stops at the first stage not prepared by the deadline (admission stays closed)."""
         deadline = time.time() + timeout
@@ -296,6 +313,7 @@ class Controller:
             )
         )[0]
 
+    @_phase_span("commit")
     async def _commit(
         self,
         checkpoint_id: str,
@@ -351,6 +369,7 @@ class Controller:
             if "weight_version" in r.details
         }
 
+    @_phase_span("resume")
     async def resume(self, checkpoint_id: str, *, timeout: float = 30.0) -> dict[str, pb.ResumeResponse]:
         """Reverse order, past failures; raises `CoordinationError` at the end if any failed."""
         request = pb.ResumeRequest(checkpoint_id=checkpoint_id)
@@ -369,6 +388,7 @@ class Controller:
             raise CoordinationError("resume", failures)
         return replies
 
+    @_phase_span("restore")
     async def restore(
         self,
         restore_id: str,
@@ -529,25 +549,26 @@ class Controller:
         `read_trainer_state(read_index(folder))` finds it again.
         """
         checkpoint_id = checkpoint_id or new_checkpoint_id()
-        folder = Path(_absolute(root)) / checkpoint_id
-        result = CheckpointResult(checkpoint_id, folder, PrepareResult(False, {}))
-        try:
-            result.prepare = await self.prepare(checkpoint_id, timeout=timeout)
-            if result.prepare.prepared:
-                scope = None
-                if episode_ids is not None:
-                    wanted = list(episode_ids)
-                    scope = result.continued = result.prepare.continued(wanted)
-                    result.restarted = [e for e in wanted if e not in set(scope)]
-                result.manifests, result.index = await self._commit(
-                    checkpoint_id, folder, scope, timeout=timeout, stop=stop, trainer_state=trainer_state
-                )
-        except BaseException:
-            await asyncio.shield(self._abort(checkpoint_id))
-            raise
-        if not (stop and result.committed):
-            await self.resume(checkpoint_id)
-        return result
+        with tracing.span("checkpoint", **{"gymrpc.operation_id": checkpoint_id}):
+            folder = Path(_absolute(root)) / checkpoint_id
+            result = CheckpointResult(checkpoint_id, folder, PrepareResult(False, {}))
+            try:
+                result.prepare = await self.prepare(checkpoint_id, timeout=timeout)
+                if result.prepare.prepared:
+                    scope = None
+                    if episode_ids is not None:
+                        wanted = list(episode_ids)
+                        scope = result.continued = result.prepare.continued(wanted)
+                        result.restarted = [e for e in wanted if e not in set(scope)]
+                    result.manifests, result.index = await self._commit(
+                        checkpoint_id, folder, scope, timeout=timeout, stop=stop, trainer_state=trainer_state
+                    )
+            except BaseException:
+                await asyncio.shield(self._abort(checkpoint_id))
+                raise
+            if not (stop and result.committed):
+                await self.resume(checkpoint_id)
+            return result
 
     async def _abort(self, checkpoint_id: str) -> None:
         with contextlib.suppress(CoordinationError):  # unreachable ones abort when their lease runs out

@@ -31,7 +31,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gymrpc import auth, logs
+from gymrpc import auth, logs, tracing
 from gymrpc.channels import server_options
 from gymrpc.errors import NotFound, Unavailable
 from gymrpc.ids import check_endpoint_id, check_service_name
@@ -224,6 +224,7 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
     check_transport(config)
     if any(b.control_methods for b in bindings) and not config.token:
         raise ValueError(f"{config.name}: serving control methods needs a token (--token-file or GYMRPC_TOKEN)")
+    tracing.setup_from_env(config.name)  # before the servicers are wrapped: they trace only if it is on
     interceptors = [DataPlaneCredentials(config.token)] if config.token and config.data_plane_credentials else []
     server = grpc.aio.server(options=server_options(), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
@@ -326,6 +327,7 @@ async def serve(
     await running.stop()
     if on_stop is not None:
         await on_stop()
+    tracing.shutdown()  # the process ends: flush what an OTLP exporter still batches
 
 
 async def _watch_supervisor(stop: asyncio.Event) -> None:

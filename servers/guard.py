@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.rpc import error_details_pb2, status_pb2
 
-from gymrpc import auth
+from gymrpc import auth, tracing
 from gymrpc.errors import GymrpcError, Internal, InvalidArgument, ResourceExhausted, Unauthenticated
 from gymrpc.servers.metrics import ServerMetrics
 
@@ -126,6 +126,7 @@ def guard_servicer(
 
     Every method shares `admission` (one per server; default: its own with the default limit).
     With `metrics`, every call is counted and timed; without, the call path has no metrics code at all.
+    Likewise, only with tracing on (`gymrpc.tracing.enabled`) does every call get a SERVER span.
     """
     admission = admission or Admission()
     control = set(control_methods)
@@ -141,6 +142,8 @@ def guard_servicer(
         wrapped = wrapper(impl, full, needs_token, admission)
         if metrics is not None:
             wrapped = (_measure_stream if method.server_streaming else _measure_unary)(wrapped, full, metrics)
+        if tracing.enabled() and service.full_name not in tracing.UNTRACED_SERVICES:
+            wrapped = (_trace_stream if method.server_streaming else _trace_unary)(wrapped, full)
         setattr(guarded, method.name, wrapped)
     return guarded
 
@@ -282,3 +285,36 @@ def _measure_stream(call: Callable[..., Any], method: str, metrics: ServerMetric
             metrics.finished(method, started, *_outcome(failure, context))
 
     return measured
+
+
+def _trace_unary(call: Callable[..., Any], method: str) -> Callable[..., Any]:
+    @functools.wraps(call)
+    async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        with tracing.server_span(method, context.invocation_metadata()) as span:
+            failure = None
+            try:
+                return await call(request, context)
+            except BaseException as exc:
+                failure = exc
+                raise
+            finally:
+                tracing.end_rpc(span, *_outcome(failure, context))
+
+    return traced
+
+
+def _trace_stream(call: Callable[..., Any], method: str) -> Callable[..., Any]:
+    @functools.wraps(call)
+    async def traced(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        with tracing.server_span(method, context.invocation_metadata()) as span:
+            failure = None
+            try:
+                async for item in call(request, context):
+                    yield item
+            except BaseException as exc:
+                failure = exc
+                raise
+            finally:
+                tracing.end_rpc(span, *_outcome(failure, context))
+
+    return traced

@@ -72,6 +72,7 @@ class EpisodeCheckpoint(_message.Message):
     PARKED_FIELD_NUMBER: _builtins.int
     FAILOVERS_FIELD_NUMBER: _builtins.int
     SESSION_RECOVERIES_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """Version of this record's layout; currently 1. A reader refuses versions
     it does not know with DATA_LOSS rather than guess.
@@ -123,6 +124,11 @@ class EpisodeCheckpoint(_message.Message):
     to this record's last boundary to continue, counted by every process that
     ran this attempt so far (`Trajectory.session_recoveries`): a run that
     continues the record after the agent itself crashed adds its own.
+    """
+    traceparent: _builtins.str
+    """W3C `traceparent` of the episode span of the run that last wrote the
+    record; empty when that run had tracing off. A run that continues the
+    record links its own episode span to it (docs/tracing.md).
     """
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:
@@ -220,10 +226,11 @@ class EpisodeCheckpoint(_message.Message):
         parked: _duration_pb2.Duration | None = ...,
         failovers: _builtins.int = ...,
         session_recoveries: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["elapsed", b"elapsed", "episode_id", b"episode_id", "expires_at", b"expires_at", "final_result", b"final_result", "parked", b"parked", "resource_snapshot", b"resource_snapshot", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed", b"elapsed", "episode_id", b"episode_id", "expires_at", b"expires_at", "failovers", b"failovers", "final_result", b"final_result", "max_steps", b"max_steps", "messages", b"messages", "model_calls", b"model_calls", "next_tool_index", b"next_tool_index", "parked", b"parked", "pending_tool_calls", b"pending_tool_calls", "phase", b"phase", "policy_version", b"policy_version", "request_fingerprint", b"request_fingerprint", "resource_snapshot", b"resource_snapshot", "restart_count", b"restart_count", "resume_count", b"resume_count", "revision", b"revision", "schema_version", b"schema_version", "session_id", b"session_id", "session_recoveries", b"session_recoveries", "step", b"step", "stop_reason", b"stop_reason", "text_turns", b"text_turns", "tool_calls", b"tool_calls", "tools", b"tools", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed", b"elapsed", "episode_id", b"episode_id", "expires_at", b"expires_at", "failovers", b"failovers", "final_result", b"final_result", "max_steps", b"max_steps", "messages", b"messages", "model_calls", b"model_calls", "next_tool_index", b"next_tool_index", "parked", b"parked", "pending_tool_calls", b"pending_tool_calls", "phase", b"phase", "policy_version", b"policy_version", "request_fingerprint", b"request_fingerprint", "resource_snapshot", b"resource_snapshot", "restart_count", b"restart_count", "resume_count", b"resume_count", "revision", b"revision", "schema_version", b"schema_version", "session_id", b"session_id", "session_recoveries", b"session_recoveries", "step", b"step", "stop_reason", b"stop_reason", "text_turns", b"text_turns", "tool_calls", b"tool_calls", "tools", b"tools", "traceparent", b"traceparent", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,6 +43,7 @@ def new_record(state: EpisodeState, request_fingerprint: str, *, restart_count: 
         text_turns=state.text_turns,
         session_id=state.session_id,
         restart_count=restart_count,
+        traceparent=state.traceparent,
     )
 
 
@@ -55,6 +56,7 @@ def record_boundary(
     record.stop_reason = state.stop_reason  # type: ignore[assignment]
     record.resume_count, record.restart_count = state.resume_count, state.restart_count
     record.failovers, record.session_recoveries = state.failovers, state.session_recoveries
+    record.traceparent = state.traceparent
     record.elapsed.CopyFrom(duration(state.elapsed_s))
     if state.parked_s:
         record.parked.CopyFrom(duration(state.parked_s))

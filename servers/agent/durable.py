@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from gymrpc import tracing
 from gymrpc.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -157,10 +158,11 @@ class DurableEpisodes:
             record.max_steps, record.text_turns = state.max_steps, state.text_turns
             return record
         checkpoint.restore_state(state, record)
+        tracing.link_previous(record.traceparent)
         self.loop.count_failovers(state)  # baseline before RestoreSession: a move of it counts
         await self._restore_session(state, record)
         state.resume_count += 1
-        record.resume_count = state.resume_count
+        record.resume_count, record.traceparent = state.resume_count, state.traceparent
         await self.store.save(lease, record)
         log.info(
             "episode resumed",

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from gymrpc import tracing
 from gymrpc.errors import GymrpcError, from_rpc_error
 from gymrpc.pbtime import duration
 from gymrpc.servers.agent.state import EpisodeState, Phase
@@ -144,7 +145,8 @@ class EpisodeLoop:
         request = resources_pb.SeedSessionRequest(
             session_id=state.session_id, episode_id=state.episode_id, task=state.task
         )
-        reply = await self.call_resources("SeedSession", request)
+        with tracing.span("seed"):
+            reply = await self.call_resources("SeedSession", request)
         state.messages = [*state.task.input, *(_as_role(m, common_pb2.ROLE_USER) for m in reply.observations)]
         state.tools = list(state.task.tools or reply.tools)
         state.phase = Phase.READY_FOR_MODEL
@@ -160,7 +162,10 @@ class EpisodeLoop:
             sampling=state.task.sampling,
         )
         started = time.perf_counter()
-        reply = await self._model("Generate", request)
+        with tracing.span("model.generate", **{"gymrpc.step": step}) as span:
+            reply = await self._model("Generate", request)
+            if span is not None:
+                span.set_attribute("gymrpc.output_tokens", reply.usage.output_tokens)
         latency = time.perf_counter() - started
         message = _as_role(reply.message, common_pb2.ROLE_ASSISTANT)
         _number_tool_calls(message, step, _used_call_ids(state.messages))
@@ -200,12 +205,17 @@ class EpisodeLoop:
     async def _tool_call(self, state: EpisodeState) -> common_pb2.Message:
         call = state.pending_tool_calls[state.next_tool_index]
         started = time.perf_counter()
-        if call.name:
-            request = resources_pb.CallToolRequest(session_id=state.session_id, episode_id=state.episode_id, call=call)
-            reply = await self.call_resources("CallTool", request)
-            output, is_error = reply.output, reply.is_error
-        else:  # the resources server refuses nameless calls; the model should hear why instead
-            output, is_error = NO_NAME_ERROR, True
+        with tracing.span("tool.call", **{"gymrpc.tool": call.name, "gymrpc.step": state.step - 1}) as span:
+            if call.name:
+                request = resources_pb.CallToolRequest(
+                    session_id=state.session_id, episode_id=state.episode_id, call=call
+                )
+                reply = await self.call_resources("CallTool", request)
+                output, is_error = reply.output, reply.is_error
+            else:  # the resources server refuses nameless calls; the model should hear why instead
+                output, is_error = NO_NAME_ERROR, True
+            if span is not None:
+                span.set_attribute("gymrpc.tool_error", is_error)
         latency = time.perf_counter() - started
         result = common_pb2.Message(role=common_pb2.ROLE_TOOL, tool_call_id=call.id, name=call.name, content=output)
         state.messages.append(result)
@@ -227,7 +237,8 @@ class EpisodeLoop:
             turn_id=state.turn_id(state.step - 1),
             message=state.messages[-1],
         )
-        reply = await self.call_resources("Step", request)
+        with tracing.span("env.step", **{"gymrpc.step": state.step - 1}):
+            reply = await self.call_resources("Step", request)
         state.messages.extend(_as_role(m, common_pb2.ROLE_USER) for m in reply.observations)
         if reply.terminated:
             # The protocol has no dedicated reason (yet): a natural end is the text-env final answer.
@@ -242,11 +253,12 @@ class EpisodeLoop:
         request = resources_pb.VerifyRequest(
             session_id=state.session_id, episode_id=state.episode_id, messages=state.messages
         )
-        state.verify = await self.call_resources("Verify", request)
-        await self.call_resources(
-            "CloseSession",
-            resources_pb.CloseSessionRequest(session_id=state.session_id, episode_id=state.episode_id),
-        )
+        with tracing.span("verify"):
+            state.verify = await self.call_resources("Verify", request)
+            await self.call_resources(
+                "CloseSession",
+                resources_pb.CloseSessionRequest(session_id=state.session_id, episode_id=state.episode_id),
+            )
         state.phase = Phase.COMPLETED
 
     # -- downstream calls ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from gymrpc import tracing
 from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.errors import AlreadyExists, DataLoss, GymrpcError
 from gymrpc.pbtime import duration
@@ -91,6 +92,7 @@ class AgentParticipant(Participant):
                 )
             del self._restored[key]
             restore_state(state, record, snapshot=False)
+            tracing.link_previous(record.traceparent)
             state.resume_count += 1
             self.continued += 1
         task = asyncio.current_task()

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from gymrpc import tracing
 from gymrpc.errors import Aborted, DeadlineExceeded, InvalidArgument
 from gymrpc.ids import check_attempt, check_id
 from gymrpc.messages import ROLE_NAMES, parse_json_object
@@ -105,42 +106,44 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
 
     async def Run(self, request: agent_pb.RunRequest, context: grpc.aio.ServicerContext) -> agent_pb.RunResponse:
         state, timeout = await self._prepare(request)
-        if self.durable is not None:
-            trajectory = None
-            run = self.durable.run(state, progress=False)
-            async with _deadline(state, timeout), contextlib.aclosing(run) as events:
-                async for event in events:
-                    if event.HasField("trajectory"):
-                        trajectory = event.trajectory
-            return agent_pb.RunResponse(trajectory=trajectory)
-        with self._hold(state):
-            async with (
-                self._admitted(state),
-                _deadline(state, timeout) as scope,
-                contextlib.aclosing(self._steps(state, scope)) as steps,
-            ):
-                async for _ in steps:
-                    pass
-        return agent_pb.RunResponse(trajectory=state.trajectory())
+        with _episode_span(state):
+            if self.durable is not None:
+                trajectory = None
+                run = self.durable.run(state, progress=False)
+                async with _deadline(state, timeout), contextlib.aclosing(run) as events:
+                    async for event in events:
+                        if event.HasField("trajectory"):
+                            trajectory = event.trajectory
+                return agent_pb.RunResponse(trajectory=trajectory)
+            with self._hold(state):
+                async with (
+                    self._admitted(state),
+                    _deadline(state, timeout) as scope,
+                    contextlib.aclosing(self._steps(state, scope)) as steps,
+                ):
+                    async for _ in steps:
+                        pass
+            return agent_pb.RunResponse(trajectory=state.trajectory())
 
     async def RunStream(
         self, request: agent_pb.RunStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
         state, timeout = await self._prepare(request.request)
-        if self.durable is not None:
-            async with _deadline(state, timeout), contextlib.aclosing(self.durable.run(state)) as events:
-                async for event in events:
-                    yield event
-            return
-        with self._hold(state):
-            async with (
-                self._admitted(state),
-                _deadline(state, timeout) as scope,
-                contextlib.aclosing(self._steps(state, scope)) as steps,
-            ):
-                async for message in steps:
-                    yield agent_pb.RunStreamResponse(progress=state.progress(message))
-        yield agent_pb.RunStreamResponse(trajectory=state.trajectory())
+        with _episode_span(state):
+            if self.durable is not None:
+                async with _deadline(state, timeout), contextlib.aclosing(self.durable.run(state)) as events:
+                    async for event in events:
+                        yield event
+                return
+            with self._hold(state):
+                async with (
+                    self._admitted(state),
+                    _deadline(state, timeout) as scope,
+                    contextlib.aclosing(self._steps(state, scope)) as steps,
+                ):
+                    async for message in steps:
+                        yield agent_pb.RunStreamResponse(progress=state.progress(message))
+            yield agent_pb.RunStreamResponse(trajectory=state.trajectory())
 
     def _admitted(self, state: EpisodeState) -> contextlib.AbstractAsyncContextManager[None]:
         """Coordinated checkpoints: wait for admission and pick up a restored boundary (else nothing)."""
@@ -214,6 +217,25 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
             yield
         finally:
             self._running.discard(key)
+
+
+@contextlib.contextmanager
+def _episode_span(state: EpisodeState) -> Iterator[None]:
+    """The episode's span (tracing on): the model, tool and resources calls of this run are its children."""
+    identity = {
+        "gymrpc.rollout_id": state.rollout_id,
+        "gymrpc.attempt": state.attempt,
+        "gymrpc.task_id": state.task.task_id,
+    }
+    with tracing.span("episode", **identity) as span:
+        state.traceparent = tracing.traceparent()
+        try:
+            yield
+        finally:
+            if span is not None:
+                span.set_attribute("gymrpc.resume_count", state.resume_count)
+                span.set_attribute("gymrpc.steps", state.step)
+                span.set_attribute("gymrpc.phase", state.phase.name)
 
 
 @contextlib.asynccontextmanager

@@ -94,6 +94,9 @@ class EpisodeState:
     that ran it (checkpointed): this process adds what its client counts (`EpisodeLoop.failovers`)."""
     session_recoveries: int = 0
     """Times this process went back to the last durable save after losing the resources session."""
+    traceparent: str = ""
+    """W3C `traceparent` of this run's episode span (empty with tracing off); checkpointed, so the run
+    that continues the episode links to it. Restoring a record never overwrites it."""
     failovers_seen: int | None = None
     """This process's client count for the episode when last added to `failovers`; None until this
     process first looks (not checkpointed: counts of another process mean nothing here)."""

@@ -249,6 +249,15 @@ export declare type EpisodeCheckpoint = Message<"gymrpc.v1.EpisodeCheckpoint"> &
    * @generated from field: uint32 session_recoveries = 28;
    */
   sessionRecoveries: number;
+
+  /**
+   * W3C `traceparent` of the episode span of the run that last wrote the
+   * record; empty when that run had tracing off. A run that continues the
+   * record links its own episode span to it (docs/tracing.md).
+   *
+   * @generated from field: string traceparent = 29;
+   */
+  traceparent: string;
 };
 
 /**
