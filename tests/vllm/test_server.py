@@ -229,7 +229,11 @@ def test_checkpoint_sigkill_restore_continues_with_the_ledger_intact(stack: Vllm
             assert [_outcome(t) for t in trajectories] == [reference] * len(rollouts)
             # Continued, never started over; a Run retried after a failover to the restarted agent
             # may resume the restored state once more (seen once in CI, with the same outcome).
-            assert all(t.resume_count >= 1 and t.restart_count == 0 for t in trajectories)
+            counts = [(r, t.resume_count, t.restart_count) for r, t in zip(rollouts, trajectories, strict=True)]
+            restarts = {name: stack.server(name)["restarts"] - before[name] for name in SERVERS}
+            assert all(t.resume_count >= 1 and t.restart_count == 0 for t in trajectories), (
+                f"(rollout, resumes, restarts): {counts}; server restarts since the kill: {restarts}\n{stack.logs()}"
+            )
             status = await controller.status()
             new_calls = sum(len(t.model_calls) for t in trajectories) - rows
             ledger = status[MODEL].report.counts["ledger_rows"]
