@@ -8,13 +8,11 @@ vLLM's chat route, streamed and whole, its replies re-tokenised here, with vLLM'
 as the sampler's (asserted present and finite for every reply).
 
 The reward is recorded, not asserted: the counter model scores 1 in tokens mode, but through
-vLLM 0.32's chat route it scores 0. The first turn's prompt vLLM renders (its `prompt_token_ids`,
-checked once by hand) is token for token gymrpc's, system prompt and tools included, yet even at
-temperature 0 its first sampled token (per vLLM's logprobs and `token_ids`) is `{"`, not
-`<tool_call>`: the reply is `{"name": ...}</tool_call><tool_call>{...}</tool_call>`, vLLM's
-hermes parser takes the second call only, or none when streamed, and the episode goes wrong.
-Something in vLLM's chat path changes sampling (not found in the time; a guess: the hermes
-parser's structural tag), not what gymrpc sends.
+vLLM's chat route it scores 0. vLLM tokenises the rendered prompt with transformers 5, which
+loads any qwen2 model's tokenizer as `Qwen2Tokenizer` and so splits digits one by one, while the
+tiny tokenizer the model was trained with keeps ` 1` whole: the first user message already
+differs (`add 1` is two tokens there, one here), and the model answers `{"name": ...}` without
+its opening `<tool_call>`, which vLLM's hermes parser then misreads.
 """
 
 from __future__ import annotations
