@@ -19,7 +19,7 @@ import signal
 
 log = logging.getLogger(__name__)
 POINTS = ("commit_before_manifest", "commit_after_manifest", "restore_before_install", "persist_before_write")
-"""`persist_before_write`: a background commit captured, its checkpoint was resumed, nothing written yet."""
+"""`persist_before_write`: a background commit captured, its checkpoint resumed, nothing written yet."""
 
 
 def armed(point: str) -> bool:

@@ -9,8 +9,9 @@ plane adds what must be the same everywhere:
   stores the same records again; a write that outlives its deadline keeps running
   (shielded), and a retry waits for it;
 - a commit with `background` replies once the export (the capture: an immutable copy of the
-  records) is taken, so the controller can resume the episodes at once; the write then runs
-  on its own, untouched by the resume, and `persist` waits for its manifest. A process that
+  records) is taken, so the controller can resume the episodes at once; the write starts on
+  that resume (or the first `persist`) and runs on its own, untouched by the resume, and
+  `persist` waits for its manifest. A process that
   restarted has no such write and says so (CHECKPOINT_INCOMPLETE): the controller then
   never publishes the checkpoint;
 - a lease, `max(lease, deadline + lease_grace)`, renewed by every control call; when it
@@ -113,10 +114,11 @@ class _Write:
     """Time the records file and manifest took (write, fsync), after the capture."""
     background: bool = False
     """Captured by a `background` commit: the write outlives the resume, `persist` reports it."""
-    resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    """A background write starts once its checkpoint is resumed (or asked to `persist`): the write's
+    serialization and hashing never compete with the captures and the resume the episodes wait for."""
     failure_seen: bool = False
     """A `persist` reported its write's failure: the next one starts the write again."""
-    """Set when its checkpoint is resumed (fault injection: a crash after capture, before the write)."""
 
 
 class ControlPlane:
@@ -377,6 +379,7 @@ class ControlPlane:
                 write.task = asyncio.get_running_loop().create_task(self._store(Path(write.args[0]), write))
                 write.task.add_done_callback(_retrieved)
             task = write.task
+            write.released.set()  # a controller that persists without resuming (a `stop` commit)
         try:
             async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
                 manifest = await asyncio.shield(task)
@@ -409,9 +412,10 @@ class ControlPlane:
         return await self.participant.export(scope)
 
     async def _store(self, root: Path, write: _Write) -> pb.CheckpointManifest:
-        if write.background and armed("persist_before_write"):
-            await write.resumed.wait()  # the controller resumed on the capture alone
-            crash_point("persist_before_write")
+        if write.background:
+            await write.released.wait()
+            if armed("persist_before_write"):  # the controller resumed on the capture alone
+                crash_point("persist_before_write")
         started = time.perf_counter()
         try:
             return await asyncio.to_thread(
@@ -470,7 +474,7 @@ class ControlPlane:
 
     async def _reopen(self, checkpoint_id: str) -> None:
         if (captured := self._persisting.get(checkpoint_id)) is not None:
-            captured.resumed.set()  # its write goes on: the capture is the commit
+            captured.released.set()  # its write goes on: the capture is the commit
         write, self._write = self._write, None
         if write is not None:
             await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it
