@@ -11,9 +11,8 @@ plane adds what must be the same everywhere:
 - a commit with `background` replies once the export (the capture: an immutable copy of the
   records) is taken, so the controller can resume the episodes at once; the write starts on
   that resume (or the first `persist`) and runs on its own, untouched by the resume, and
-  `persist` waits for its manifest. A process that
-  restarted has no such write and says so (CHECKPOINT_INCOMPLETE): the controller then
-  never publishes the checkpoint;
+  `persist` waits for its manifest. A process that restarted has no such write and says so
+  (CHECKPOINT_INCOMPLETE): the controller then never publishes the checkpoint;
 - a lease, `max(lease, deadline + lease_grace)`, renewed by every control call; when it
   runs out in any phase but idle the plane aborts by itself (as a resume would), so a
   controller that vanished never leaves admission closed;
@@ -392,7 +391,6 @@ class ControlPlane:
                 "and a retried persist waits for it",
                 metadata={"checkpoint_id": checkpoint_id},
             ) from None
-        write.records = []  # durable: the capture is no longer needed
         return manifest
 
     async def _export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
@@ -418,7 +416,7 @@ class ControlPlane:
                 crash_point("persist_before_write")
         started = time.perf_counter()
         try:
-            return await asyncio.to_thread(
+            manifest = await asyncio.to_thread(
                 store.write_checkpoint,
                 root,
                 self.kind,
@@ -428,6 +426,16 @@ class ControlPlane:
                 write.stop,
                 self.endpoint_id,
             )
+            if write.background:  # durable: the capture is no longer needed (a failed one is kept to retry)
+                write.records = []
+                log.info(
+                    "persisted",
+                    extra={
+                        "checkpoint_id": write.checkpoint_id,
+                        "write_ms": round((time.perf_counter() - started) * 1e3, 1),
+                    },
+                )
+            return manifest
         except store.WriteStopped:
             raise FailedPrecondition(
                 f"checkpoint {write.checkpoint_id!r} was resumed while it was written; no manifest was published",
@@ -448,11 +456,6 @@ class ControlPlane:
             ) from None
         finally:
             write.write_s = time.perf_counter() - started
-            if write.background:
-                log.info(
-                    "persisted",
-                    extra={"checkpoint_id": write.checkpoint_id, "write_ms": round(write.write_s * 1e3, 1)},
-                )
 
     # -- resume ------------------------------------------------------------------------------
 
