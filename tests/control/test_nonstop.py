@@ -20,6 +20,7 @@ import pytest
 
 from gymrpc.control import EpisodeKey, Kind, store
 from gymrpc.control.index import INDEX, read_index
+from gymrpc.controller import CoordinationError
 from gymrpc.errors import FailedPrecondition
 from gymrpc.pbtime import timestamp
 from gymrpc.v1 import common_pb2
@@ -178,5 +179,65 @@ def test_persist_of_an_unknown_commit_is_checkpoint_incomplete_and_stop_the_worl
             assert (tmp_path / "c1" / INDEX).exists()
         finally:
             await deployment.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_background_write_is_reported_then_retried_from_the_same_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failures = {"resources/r0": 1}
+    real = store.write_checkpoint
+
+    def write(root: Path, kind: Kind, name: str, *args: Any) -> Any:
+        if failures.get(name):
+            failures[name] -= 1
+            raise OSError(28, "No space left on device (injected)")
+        return real(root, kind, name, *args)
+
+    monkeypatch.setattr(store, "write_checkpoint", write)
+
+    async def main() -> None:
+        deployment = await seeded()
+        controller = deployment.controller
+        try:
+            assert (await controller.prepare("c1", timeout=WAIT)).prepared
+            captured = await controller.capture("c1", tmp_path / "c1", EPISODES, timeout=WAIT)
+            assert all(r.persisting for r in captured.replies.values())
+            stub = deployment.client.participant("resources/r0")
+            again = await stub.Commit(  # a retried commit gets its first reply: captured, persisting
+                pb.CommitRequest(
+                    checkpoint_id="c1",
+                    deadline=timestamp(time.time() + WAIT),
+                    checkpoint_dir=str(tmp_path / "c1"),
+                    episode_ids=[e.to_pb() for e in EPISODES],
+                    explicit_scope=True,
+                    persist_in_background=True,
+                ),
+                timeout=WAIT,
+            )
+            assert again.persisting
+            assert not again.HasField("manifest")
+            await controller.resume("c1")  # the episodes go on; the capture is kept
+            await deployment.increment("resources/r0", EPISODES[0], "call-1")
+            with pytest.raises(CoordinationError) as caught:
+                await controller.publish(captured)
+            assert caught.value.operation == "persist"
+            assert list(caught.value.failures) == ["resources/r0"]
+            assert caught.value.failures["resources/r0"].reason == "BACKEND_FAILURE"
+            assert not (tmp_path / "c1" / INDEX).exists()
+            manifests, index = await controller.publish(captured)  # retried: written from the same capture
+            assert sorted(m.name for m in index.members) == NAMES
+            assert manifests["resources/r0"].record_count == 1
+        finally:
+            await deployment.close()
+
+        fresh = await Deployment.start(NAMES)
+        try:
+            await fresh.controller.restore("restore-1", tmp_path / "c1", EPISODES)
+            await fresh.controller.resume("restore-1")
+            assert await counter(fresh, "resources/r0", EPISODES[0].next()) == 1  # the capture's, not 2
+        finally:
+            await fresh.close()
 
     asyncio.run(main())
