@@ -13,7 +13,12 @@ Measured, with `--episodes` in flight:
   followed by a resume; 200 rounds by default, so the p99 is a p99 (of 30 it is the maximum,
   which is printed too);
 - Commit: the controller's commit of every episode (all participants at once, records then
-  manifest, fsync), wall time per round, into a fresh folder each round;
+  manifest, fsync), wall time per round, into a fresh folder each round; in two modes, rounds
+  alternating. Stop-the-world (`Controller.commit`, then resume): the episodes stay parked for
+  the write. Non-stop (`Controller.capture`, resume, `Controller.publish`): they are parked only
+  for the in-memory capture. For each: the time parked (commit's start to the end of the resume;
+  the prepare before it is the figure above) and the time from commit's start to the published
+  index;
 - Restore: into freshly started participants, all or nothing, wall time; then resume;
 - bytes per episode: the records files' size (manifests' `size_bytes`) over the episodes, per kind.
 
@@ -123,19 +128,35 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await deployment.controller.prepare(f"warm-{warm}", timeout=30)
             await deployment.controller.resume(f"warm-{warm}")
         timed.prepare_ms.clear()
-        staged_ms, commit_ms = [], []
+        staged_ms: list[float] = []
+        parked_ms: dict[str, list[float]] = {"stop": [], "nonstop": []}
+        publish_ms: dict[str, list[float]] = {"stop": [], "nonstop": []}
         manifests: dict[str, Any] = {}
+        controller = deployment.controller
         for round_ in range(args.rounds):
             checkpoint_id = f"c{round_}"
             started = time.perf_counter()
-            result = await deployment.controller.prepare(checkpoint_id, timeout=30)
+            result = await controller.prepare(checkpoint_id, timeout=30)
             staged_ms.append((time.perf_counter() - started) * 1000)
             assert result.prepared, result.blockers()
-            if round_ < args.commits:
-                started = time.perf_counter()
-                manifests = await deployment.controller.commit(checkpoint_id, root / checkpoint_id, keys, timeout=120)
-                commit_ms.append((time.perf_counter() - started) * 1000)
-            await deployment.controller.resume(checkpoint_id)
+            if round_ >= 2 * args.commits:
+                await controller.resume(checkpoint_id)
+                continue
+            folder = root / checkpoint_id
+            started = time.perf_counter()
+            if round_ % 2 == 0:  # stop-the-world: parked until every member wrote
+                manifests = await controller.commit(checkpoint_id, folder, keys, timeout=120)
+                published = time.perf_counter()
+                await controller.resume(checkpoint_id)
+                mode, resumed = "stop", time.perf_counter()
+            else:  # non-stop: parked for the capture only
+                captured = await controller.capture(checkpoint_id, folder, keys, timeout=120)
+                await controller.resume(checkpoint_id)
+                resumed = time.perf_counter()
+                manifests, _ = await controller.publish(captured)
+                mode, published = "nonstop", time.perf_counter()
+            parked_ms[mode].append((resumed - started) * 1000)
+            publish_ms[mode].append((published - started) * 1000)
         per_rpc = [ms for values in timed.prepare_ms.values() for ms in values]
         bytes_by_kind: dict[str, int] = defaultdict(int)
         for name, manifest in manifests.items():
@@ -143,7 +164,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         fresh = await Deployment.start(participants)
         try:
             started = time.perf_counter()
-            restored = await fresh.controller.restore("restore-1", root / "c0", keys, timeout=300)
+            restored = await fresh.controller.restore("restore-1", root / "c1", keys, timeout=300)
             restore_ms = (time.perf_counter() - started) * 1000
             await fresh.controller.resume("restore-1")
             assert len(restored["agent/a"].restored) == len(keys)
@@ -162,7 +183,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "max": max(staged_ms),
                 "n": len(staged_ms),
             },
-            "commit_ms": {"median": statistics.median(commit_ms), "max": max(commit_ms), "n": len(commit_ms)},
+            "commit_ms": {
+                mode: {
+                    "parked_median": statistics.median(parked_ms[mode]),
+                    "parked_max": max(parked_ms[mode]),
+                    "publish_median": statistics.median(publish_ms[mode]),
+                    "publish_max": max(publish_ms[mode]),
+                    "n": len(parked_ms[mode]),
+                }
+                for mode in ("stop", "nonstop")
+            },
             "restore_ms": restore_ms,
             "bytes_per_episode": total_bytes / args.episodes,
             "bytes_per_episode_by_kind": {k: v / args.episodes for k, v in sorted(bytes_by_kind.items())},
@@ -182,8 +212,14 @@ def report(r: dict[str, Any]) -> str:
             f"prepare, per participant RPC: p50 {rpc['p50']:.2f} ms, p99 {rpc['p99']:.2f} ms ({rpc['n']} calls)",
             f"prepare, whole staged prepare:  p50 {staged['p50']:.2f} ms, p99 {staged['p99']:.2f} ms "
             f"(max {staged['max']:.2f} ms, {staged['n']} rounds)",
-            f"commit (all participants, fsync): median {commit['median']:.1f} ms, max {commit['max']:.1f} ms "
-            f"({commit['n']} commits)",
+            *(
+                f"commit, {label}: parked median {c['parked_median']:.1f} ms (max {c['parked_max']:.1f}), "
+                f"commit to publish median {c['publish_median']:.1f} ms (max {c['publish_max']:.1f}), "
+                f"{c['n']} checkpoints"
+                for label, c in (("stop-the-world", commit["stop"]), ("non-stop      ", commit["nonstop"]))
+            ),
+            f"parked time, non-stop over stop-the-world: "
+            f"{commit['nonstop']['parked_median'] / commit['stop']['parked_median']:.2f}x",
             f"restore into fresh participants: {r['restore_ms']:.1f} ms",
             f"bytes per episode: {r['bytes_per_episode']:.0f} ({kinds})",
             REFERENCE,
@@ -198,14 +234,15 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=200, help="prepare/resume rounds (a p99 needs well over 100; 30 gives the max)"
     )
-    parser.add_argument("--commits", type=int, default=5, help="rounds that also commit")
+    parser.add_argument("--commits", type=int, default=5, help="checkpoints of each mode (rounds that also commit)")
     parser.add_argument("--resources", type=int, default=4, help="resources servers")
     parser.add_argument("--models", type=int, default=2, help="model servers")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     if args.quick:
         args.episodes, args.rounds, args.commits = 100, 5, 2
-    args.commits = max(1, min(args.commits, args.rounds))
+    args.commits = max(1, min(args.commits, args.rounds // 2))
+    args.rounds = max(args.rounds, 2 * args.commits)
     result = asyncio.run(bench(args))
     print(report(result))
     if args.json:

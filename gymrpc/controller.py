@@ -24,6 +24,14 @@ installed attempts are retired everywhere and everyone is resumed before the err
 Once every member committed, the controller writes the checkpoint's index last
 (`gymrpc.control.index`); a restore reads exactly the replicas it lists and refuses a folder
 without one, so the controller must see the checkpoint folder its participants write.
+
+`checkpoint` does not stop the world for the write: each participant's Commit
+(`persist_in_background`) only captures its state in memory, the controller resumes at once,
+then waits for every member's `Persist` (its manifest, fsynced) and only then writes the index.
+A member that dies between its capture and its write makes the publish fail
+(`CoordinationError("persist")`, reason CHECKPOINT_INCOMPLETE): no index, so the previous
+published checkpoint is still the one a restore finds. `nonstop=False` keeps the older order
+(write, then resume); a participant that does not know the flag writes first anyway.
 """
 
 from __future__ import annotations
@@ -114,6 +122,19 @@ class PrepareResult:
 
 
 @dataclass
+class Captured:
+    """A commit every member answered: captured (`persisting`) or already written; not yet indexed."""
+
+    checkpoint_id: str
+    checkpoint_dir: Path
+    members: list[Member]
+    replies: dict[str, pb.CommitResponse]
+    deadline: float
+    weight_versions: dict[str, str]
+    trainer_state: pb.TrainerStateRef | None = None
+
+
+@dataclass
 class CheckpointResult:
     checkpoint_id: str
     checkpoint_dir: Path
@@ -123,6 +144,9 @@ class CheckpointResult:
     restarted: list[EpisodeKey] = field(default_factory=list)
     index: pb.CheckpointIndex | None = None
     """The index written into `checkpoint_dir` (`INDEX`) once every member committed."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds: `parked` (prepare's start to the end of the resume: episodes stood still) and
+    `commit_to_publish` (commit's start to the index written); absent for phases not reached."""
 
     @property
     def committed(self) -> bool:
@@ -306,24 +330,35 @@ class Controller:
         """All at once. `episode_ids` names every episode continued (restored ones by their new attempt);
         `None` commits every parked episode, an empty list none. Once every member committed, the
         checkpoint's index is written into `checkpoint_dir` (`write_index`), last, with
-        `trainer_state` registered in it (see `checkpoint`)."""
-        return (
-            await self._commit(
-                checkpoint_id, checkpoint_dir, episode_ids, timeout=timeout, stop=stop, trainer_state=trainer_state
-            )
-        )[0]
+        `trainer_state` registered in it (see `checkpoint`). Episodes stay parked for the write:
+        `capture` then `resume` then `publish` is the same without that pause."""
+        captured = await self.capture(
+            checkpoint_id,
+            checkpoint_dir,
+            episode_ids,
+            timeout=timeout,
+            stop=stop,
+            trainer_state=trainer_state,
+            background=False,
+        )
+        return (await self.publish(captured))[0]
 
     @_phase_span("commit")
-    async def _commit(
+    async def capture(
         self,
         checkpoint_id: str,
         checkpoint_dir: str | Path,
         episode_ids: Iterable[EpisodeKey] | None,
         *,
-        timeout: float,
-        stop: bool,
+        timeout: float = 60.0,
+        stop: bool = False,
         trainer_state: TrainerState | str | os.PathLike[str] | None = None,
-    ) -> tuple[dict[str, pb.CheckpointManifest], pb.CheckpointIndex]:
+        background: bool = True,
+    ) -> Captured:
+        """Commit everyone at once; with `background` each member replies once its state is captured
+        in memory and writes afterwards (resume may follow at once). Nothing is published: `publish`
+        waits for every write and writes the index. The weight versions are read here, while the
+        episodes are still parked, so they are those of the capture."""
         deadline = time.time() + timeout
         trainer_ref = None if trainer_state is None else await asyncio.to_thread(reference, trainer_state)
         request = pb.CommitRequest(
@@ -333,21 +368,47 @@ class Controller:
             episode_ids=_ids(episode_ids or ()),
             stop=stop,
             explicit_scope=episode_ids is not None,
+            persist_in_background=background,
         )
         members = await self._members()
         replies = await self._fan(
             "commit", members, lambda m: self._stub(m).Commit(request, timeout=self._left(deadline))
         )
-        manifests = {label: r.manifest for label, r in replies.items()}
         versions = await self._weight_versions(members, deadline)
+        return Captured(
+            checkpoint_id, Path(request.checkpoint_dir), list(members), replies, deadline, versions, trainer_ref
+        )
+
+    async def publish(
+        self, captured: Captured, *, timeout: float | None = None
+    ) -> tuple[dict[str, pb.CheckpointManifest], pb.CheckpointIndex]:
+        """Wait for every member's write (`Persist`, until the commit's deadline or `timeout` from now),
+        then write the index: only a checkpoint every member persisted is ever published. A member
+        that restarted since its capture answers CHECKPOINT_INCOMPLETE: `CoordinationError`, no index."""
+        with tracing.span("checkpoint.publish", **{"gymrpc.operation_id": captured.checkpoint_id}):
+            return await self._publish(captured, timeout)
+
+    async def _publish(
+        self, captured: Captured, timeout: float | None
+    ) -> tuple[dict[str, pb.CheckpointManifest], pb.CheckpointIndex]:
+        deadline = captured.deadline if timeout is None else time.time() + timeout
+        request = pb.PersistRequest(checkpoint_id=captured.checkpoint_id, deadline=timestamp(deadline))
+        waiting = [m for m in captured.members if captured.replies[m.label].persisting]
+        persisted = await self._fan(
+            "persist", waiting, lambda m: self._stub(m).Persist(request, timeout=self._left(deadline))
+        )
+        manifests = {
+            m.label: (persisted[m.label] if m.label in persisted else captured.replies[m.label]).manifest
+            for m in captured.members
+        }
         index = await asyncio.to_thread(
             functools.partial(
                 write_index,
-                Path(request.checkpoint_dir),
-                checkpoint_id,
-                [manifests[m.label] for m in members],
-                trainer_state=trainer_ref,
-                weight_versions=versions,
+                captured.checkpoint_dir,
+                captured.checkpoint_id,
+                [manifests[m.label] for m in captured.members],
+                trainer_state=captured.trainer_state,
+                weight_versions=captured.weight_versions,
             )
         )
         return manifests, index
@@ -536,8 +597,14 @@ class Controller:
         timeout: float = 30.0,
         stop: bool = False,
         trainer_state: TrainerState | str | os.PathLike[str] | None = None,
+        nonstop: bool = True,
     ) -> CheckpointResult:
         """Prepare, commit into `<root>/<checkpoint_id>`, then resume (unless `stop`).
+
+        `nonstop` (default; not with `stop`): the commit only captures each member's state, the
+        episodes resume at once, and the checkpoint is published (its index written) once every
+        member persisted. A publish that fails raises after the resume; the folder has no index and
+        is never restored. `nonstop=False`: the episodes stay parked until every member has written.
 
         Not prepared by the deadline: resume (abort) and return with `committed` False and the
         blockers in `prepare`. Any failure: resume (abort) and raise.
@@ -552,6 +619,9 @@ class Controller:
         with tracing.span("checkpoint", **{"gymrpc.operation_id": checkpoint_id}):
             folder = Path(_absolute(root)) / checkpoint_id
             result = CheckpointResult(checkpoint_id, folder, PrepareResult(False, {}))
+            background = nonstop and not stop
+            resumed = False
+            started = time.perf_counter()
             try:
                 result.prepare = await self.prepare(checkpoint_id, timeout=timeout)
                 if result.prepare.prepared:
@@ -560,14 +630,29 @@ class Controller:
                         wanted = list(episode_ids)
                         scope = result.continued = result.prepare.continued(wanted)
                         result.restarted = [e for e in wanted if e not in set(scope)]
-                    result.manifests, result.index = await self._commit(
-                        checkpoint_id, folder, scope, timeout=timeout, stop=stop, trainer_state=trainer_state
+                    committing = time.perf_counter()
+                    captured = await self.capture(
+                        checkpoint_id,
+                        folder,
+                        scope,
+                        timeout=timeout,
+                        stop=stop,
+                        trainer_state=trainer_state,
+                        background=background,
                     )
+                    if background:  # the capture is all the episodes waited for
+                        resumed = True
+                        await self.resume(checkpoint_id)
+                        result.timings["parked"] = time.perf_counter() - started
+                    result.manifests, result.index = await self.publish(captured)
+                    result.timings["commit_to_publish"] = time.perf_counter() - committing
             except BaseException:
-                await asyncio.shield(self._abort(checkpoint_id))
+                if not resumed:
+                    await asyncio.shield(self._abort(checkpoint_id))
                 raise
-            if not (stop and result.committed):
+            if not resumed and not (stop and result.committed):
                 await self.resume(checkpoint_id)
+                result.timings["parked"] = time.perf_counter() - started
             return result
 
     async def _abort(self, checkpoint_id: str) -> None:

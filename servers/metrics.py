@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -107,6 +108,7 @@ class ServerMetrics:
         )
         self._version = ""
         self._phase = ""
+        self._persisted: deque[str] = deque(maxlen=16)
         self.http: Any = None
 
     def watch_store(self, stats: Callable[[], Any]) -> None:
@@ -183,7 +185,18 @@ class ServerMetrics:
 
     def _commit_reply(self, request: Any, response: Any) -> None:
         self._phase_reply(request, response)
-        self.checkpoint_bytes.inc(response.manifest.size_bytes)
+        if not response.persisting:  # captured only: its Persist reports the bytes once written
+            self._written(response.manifest)
+
+    def _persist_reply(self, _request: Any, response: Any) -> None:
+        self._written(response.manifest)
+
+    def _written(self, manifest: Any) -> None:
+        """A records file is durable; a retried Persist of the same checkpoint is not counted again."""
+        if manifest.checkpoint_id in self._persisted:
+            return
+        self._persisted.append(manifest.checkpoint_id)
+        self.checkpoint_bytes.inc(manifest.size_bytes)
         self.last_commit.set(time.time())
 
     def _register_reply(self, request: Any, _response: Any) -> None:
@@ -197,6 +210,7 @@ class ServerMetrics:
         PARTICIPANT + "GetStatus": _phase_reply,
         PARTICIPANT + "Prepare": _phase_reply,
         PARTICIPANT + "Commit": _commit_reply,
+        PARTICIPANT + "Persist": _persist_reply,
         PARTICIPANT + "Resume": _phase_reply,
         PARTICIPANT + "Restore": _phase_reply,
         REGISTRY_REGISTER: _register_reply,

@@ -27,7 +27,12 @@ SERVICE = pb.DESCRIPTOR.services_by_name["ParticipantService"]
 
 
 def _deadline(
-    request: pb.PrepareRequest | pb.RenewRequest | pb.CommitRequest | pb.RestoreRequest | pb.RetireRequest,
+    request: pb.PrepareRequest
+    | pb.RenewRequest
+    | pb.CommitRequest
+    | pb.PersistRequest
+    | pb.RestoreRequest
+    | pb.RetireRequest,
 ) -> float:
     if not request.HasField("deadline"):
         raise InvalidArgument("deadline is required (an absolute time)", metadata={"field": "deadline"})
@@ -68,12 +73,25 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         listed = frozenset(episode_keys(request.episode_ids))
         scope = listed if request.explicit_scope or listed else None
         manifest = await self.plane.commit(
-            request.checkpoint_id, _deadline(request), request.checkpoint_dir, scope, request.stop
+            request.checkpoint_id,
+            _deadline(request),
+            request.checkpoint_dir,
+            scope,
+            request.stop,
+            background=request.persist_in_background,
         )
+        if manifest is None:  # captured; `Persist` reports the manifest once written
+            return pb.CommitResponse(phase=pb.PARTICIPANT_PHASE_COMMITTED, persisting=True)
         return pb.CommitResponse(
             phase=pb.PARTICIPANT_PHASE_COMMITTED,
             manifest=manifest,
             manifest_path=manifest_path(manifest.kind, manifest.name, manifest.endpoint_id),
+        )
+
+    async def Persist(self, request: pb.PersistRequest, context: grpc.aio.ServicerContext) -> pb.PersistResponse:
+        manifest = await self.plane.persist(request.checkpoint_id, _deadline(request))
+        return pb.PersistResponse(
+            manifest=manifest, manifest_path=manifest_path(manifest.kind, manifest.name, manifest.endpoint_id)
         )
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> pb.ResumeResponse:

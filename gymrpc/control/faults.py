@@ -4,6 +4,7 @@ Timing a SIGKILL from outside cannot land between "records written" and "manifes
 created"; the participant itself can. Set in the server's environment:
 
     GYMRPC_CONTROL_CRASH_AT=commit_before_manifest | commit_after_manifest | restore_before_install
+                          | persist_before_write
     GYMRPC_CONTROL_CRASH_MARKER=/path/to/marker
 
 The marker is created (O_EXCL) before the kill, so the restarted process does not crash
@@ -17,7 +18,13 @@ import os
 import signal
 
 log = logging.getLogger(__name__)
-POINTS = ("commit_before_manifest", "commit_after_manifest", "restore_before_install")
+POINTS = ("commit_before_manifest", "commit_after_manifest", "restore_before_install", "persist_before_write")
+"""`persist_before_write`: a background commit captured, its checkpoint resumed, nothing written yet."""
+
+
+def armed(point: str) -> bool:
+    """`point` is the planned crash (the code may wait for the moment it stands for first)."""
+    return os.environ.get("GYMRPC_CONTROL_CRASH_AT") == point
 
 
 def crash_point(point: str) -> None:

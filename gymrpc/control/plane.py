@@ -8,6 +8,11 @@ plane adds what must be the same everywhere:
 - one export and one write per checkpoint: a commit retried after a failed store step
   stores the same records again; a write that outlives its deadline keeps running
   (shielded), and a retry waits for it;
+- a commit with `background` replies once the export (the capture: an immutable copy of the
+  records) is taken, so the controller can resume the episodes at once; the write starts on
+  that resume (or the first `persist`) and runs on its own, untouched by the resume, and
+  `persist` waits for its manifest. A process that restarted has no such write and says so
+  (CHECKPOINT_INCOMPLETE): the controller then never publishes the checkpoint;
 - a lease, `max(lease, deadline + lease_grace)`, renewed by every control call; when it
   runs out in any phase but idle the plane aborts by itself (as a resume would), so a
   controller that vanished never leaves admission closed;
@@ -27,6 +32,7 @@ import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,19 +40,29 @@ from typing import Any
 
 from gymrpc.balancing import place
 from gymrpc.control import store
-from gymrpc.control.faults import crash_point
+from gymrpc.control.faults import armed, crash_point
 from gymrpc.control.fencing import Fence, Op, ResumeOutcome
 from gymrpc.control.lease import Lease
 from gymrpc.control.participant import Participant, Scope
 from gymrpc.control.replay import Replies, conflict
 from gymrpc.control.types import EpisodeKey, Kind, Phase, Report
-from gymrpc.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from gymrpc.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    GymrpcError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from gymrpc.ids import check_endpoint_id, check_id, check_service_name
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import participant_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_GRACE = 120.0
+REMEMBERED_PERSISTS = 16
+"""Background writes kept for `persist` (their manifests); unfinished ones are never dropped."""
 PERMANENT_ERRNOS = frozenset(
     {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP}
 )
@@ -95,6 +111,13 @@ class _Write:
     """Time the capture took (episodes stay parked for it; a commit that only captured could resume here)."""
     write_s: float = 0.0
     """Time the records file and manifest took (write, fsync), after the capture."""
+    background: bool = False
+    """Captured by a `background` commit: the write outlives the resume, `persist` reports it."""
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    """A background write starts once its checkpoint is resumed (or asked to `persist`): the write's
+    serialization and hashing never compete with the captures and the resume the episodes wait for."""
+    failure_seen: bool = False
+    """A `persist` reported its write's failure: the next one starts the write again."""
 
 
 class ControlPlane:
@@ -119,6 +142,7 @@ class ControlPlane:
         self.started_at = clock()
         self._lock = asyncio.Lock()
         self._write: _Write | None = None
+        self._persisting: OrderedDict[str, _Write] = OrderedDict()
         self._retiring = 0
         self.awaiting_restore = False
         """Started closed for a restore (`await_restore`): a restore or any resume opens admission."""
@@ -155,6 +179,8 @@ class ControlPlane:
             details["last_abort"] = self.last_abort
         if self.awaiting_restore:
             details["awaiting_restore"] = "true"
+        if writing := sum(1 for w in self._persisting.values() if w.task is not None and not w.task.done()):
+            details["persisting"] = str(writing)
         report = self.readiness()
         if extra := self.participant.status_counts():
             report = replace(report, counts={**report.counts, **extra})
@@ -233,16 +259,26 @@ class ControlPlane:
     # -- commit ------------------------------------------------------------------------------
 
     async def commit(
-        self, checkpoint_id: str, deadline: float, checkpoint_dir: str, scope: Scope, stop: bool = False
-    ) -> pb.CheckpointManifest:
-        """Export once, write the records file, then the manifest; all before `deadline`."""
+        self,
+        checkpoint_id: str,
+        deadline: float,
+        checkpoint_dir: str,
+        scope: Scope,
+        stop: bool = False,
+        background: bool = False,
+    ) -> pb.CheckpointManifest | None:
+        """Export once, write the records file, then the manifest; all before `deadline`.
+
+        `background`: reply (None) right after the export, so the episodes parked for it can
+        resume; the write goes on and `persist` returns its manifest.
+        """
         check_id(checkpoint_id, "checkpoint_id")
         root = store.check_checkpoint_dir(checkpoint_dir)
         self._check_deadline(deadline)
-        args = (str(root), scope, stop)
+        args = (str(root), scope, stop, background)
         async with self._lock:
             if (cached := self.replies.get(Op.COMMIT, checkpoint_id, args)) is not None:
-                return cached
+                return cached if cached.checkpoint_id else None  # an empty manifest: captured, persisting
             self.fence.check(Op.COMMIT, checkpoint_id)
             self.lease.renew(deadline)
             write = self._write
@@ -253,6 +289,8 @@ class ControlPlane:
                 self._write = write
             elif write.args != args:
                 raise conflict(checkpoint_id, "was already committed to another directory or scope")
+            if background:
+                return await self._captured(root, write, scope, stop)
             if write.task is None or _failed(write.task):
                 write.task = asyncio.get_running_loop().create_task(self._store(root, write))
                 write.task.add_done_callback(_retrieved)  # a write nobody awaits any more may still fail
@@ -286,6 +324,75 @@ class ControlPlane:
             )
             return manifest
 
+    async def _captured(self, root: Path, write: _Write, scope: Scope, stop: bool) -> None:
+        """A background commit's capture is taken (under the lock): start its write and commit.
+
+        The write leaves `_write`, so a resume no longer stops it: once captured, the records
+        are this checkpoint's whatever the episodes do next.
+        """
+        checkpoint_id = write.checkpoint_id
+        write.background = True
+        self._write = None
+        write.task = asyncio.get_running_loop().create_task(self._store(root, write))
+        write.task.add_done_callback(_retrieved)
+        self._persisting[checkpoint_id] = write
+        self._persisting.move_to_end(checkpoint_id)
+        done = [k for k, w in self._persisting.items() if w.task is not None and w.task.done()]
+        for old in done[: max(len(self._persisting) - REMEMBERED_PERSISTS, 0)]:
+            del self._persisting[old]
+        await self.participant.delete_restored(scope)
+        if stop:
+            await self.participant.park_exported(scope)
+        self.fence.advance(checkpoint_id, Phase.COMMITTED)
+        self.replies.put(Op.COMMIT, checkpoint_id, write.args, pb.CheckpointManifest())
+        log.info(
+            "captured",
+            extra={
+                "checkpoint_id": checkpoint_id,
+                "records": len(write.records),
+                "export_ms": round(write.export_s * 1e3, 1),
+            },
+        )
+
+    async def persist(self, checkpoint_id: str, deadline: float) -> pb.CheckpointManifest:
+        """The manifest of a background commit's write, once durable (waits until `deadline`).
+
+        Any phase: the checkpoint is usually resumed by now. A write whose failure a persist
+        already reported is started again from the same captured records. No such commit here
+        (this process restarted after the capture, or never committed it): CHECKPOINT_INCOMPLETE,
+        the checkpoint cannot be published.
+        """
+        check_id(checkpoint_id, "checkpoint_id")
+        self._check_deadline(deadline)
+        async with self._lock:
+            write = self._persisting.get(checkpoint_id)
+            if write is None or write.task is None:
+                raise FailedPrecondition(
+                    f"{self.name} holds no captured commit of checkpoint {checkpoint_id!r} (this process "
+                    f"restarted after the capture, or it was never committed here); it cannot be published",
+                    reason="CHECKPOINT_INCOMPLETE",
+                    metadata={"checkpoint_id": checkpoint_id, "name": self.name},
+                )
+            if _failed(write.task) and write.failure_seen:
+                write.failure_seen = False
+                write.task = asyncio.get_running_loop().create_task(self._store(Path(write.args[0]), write))
+                write.task.add_done_callback(_retrieved)
+            task = write.task
+            write.released.set()  # a controller that persists without resuming (a `stop` commit)
+        try:
+            async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
+                manifest = await asyncio.shield(task)
+        except GymrpcError:
+            write.failure_seen = True
+            raise
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the write of checkpoint {checkpoint_id!r} did not finish by the deadline; it continues, "
+                "and a retried persist waits for it",
+                metadata={"checkpoint_id": checkpoint_id},
+            ) from None
+        return manifest
+
     async def _export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
         report = self.readiness()
         if not report.ready:
@@ -303,9 +410,13 @@ class ControlPlane:
         return await self.participant.export(scope)
 
     async def _store(self, root: Path, write: _Write) -> pb.CheckpointManifest:
+        if write.background:
+            await write.released.wait()
+            if armed("persist_before_write"):  # the controller resumed on the capture alone
+                crash_point("persist_before_write")
         started = time.perf_counter()
         try:
-            return await asyncio.to_thread(
+            manifest = await asyncio.to_thread(
                 store.write_checkpoint,
                 root,
                 self.kind,
@@ -315,6 +426,16 @@ class ControlPlane:
                 write.stop,
                 self.endpoint_id,
             )
+            if write.background:  # durable: the capture is no longer needed (a failed one is kept to retry)
+                write.records = []
+                log.info(
+                    "persisted",
+                    extra={
+                        "checkpoint_id": write.checkpoint_id,
+                        "write_ms": round((time.perf_counter() - started) * 1e3, 1),
+                    },
+                )
+            return manifest
         except store.WriteStopped:
             raise FailedPrecondition(
                 f"checkpoint {write.checkpoint_id!r} was resumed while it was written; no manifest was published",
@@ -355,6 +476,8 @@ class ControlPlane:
             return False
 
     async def _reopen(self, checkpoint_id: str) -> None:
+        if (captured := self._persisting.get(checkpoint_id)) is not None:
+            captured.released.set()  # its write goes on: the capture is the commit
         write, self._write = self._write, None
         if write is not None:
             await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from gymrpc.v1 import common_pb2 as gymrpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#gymrpc/v1/participant_service.proto\x12\tgymrpc.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16gymrpc/v1/common.proto\"\xea\x01\n\rPrepareReport\x12\r\n\x05ready\x18\x01 \x01(\x08\x12&\n\x08\x62lockers\x18\x02 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12\x15\n\rblocker_count\x18\x03 \x01(\r\x12&\n\x08restarts\x18\x04 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12\x34\n\x06\x63ounts\x18\x05 \x03(\x0b\x32$.gymrpc.v1.PrepareReport.CountsEntry\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\x99\x04\n\x11GetStatusResponse\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.gymrpc.v1.ParticipantKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\x05phase\x18\x03 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12\x15\n\rcheckpoint_id\x18\x04 \x01(\t\x12\x35\n\x11lease_expire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12(\n\x06report\x18\x06 \x01(\x0b\x32\x18.gymrpc.v1.PrepareReport\x12:\n\x07retired\x18\x07 \x03(\x0b\x32).gymrpc.v1.GetStatusResponse.RetiredEntry\x12\x0b\n\x03pid\x18\x08 \x01(\x03\x12.\n\nstart_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12:\n\x07\x64\x65tails\x18\n \x03(\x0b\x32).gymrpc.v1.GetStatusResponse.DetailsEntry\x12\x13\n\x0b\x65ndpoint_id\x18\x0b \x01(\t\x1a.\n\x0cRetiredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\x0ePrepareRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"g\n\x0fPrepareResponse\x12*\n\x05phase\x18\x01 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12(\n\x06report\x18\x02 \x01(\x0b\x32\x18.gymrpc.v1.PrepareReport\"S\n\x0cRenewRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"F\n\rRenewResponse\x12\x35\n\x11lease_expire_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xbd\x01\n\rCommitRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0e\x63heckpoint_dir\x18\x03 \x01(\t\x12)\n\x0b\x65pisode_ids\x18\x04 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12\x0c\n\x04stop\x18\x05 \x01(\x08\x12\x16\n\x0e\x65xplicit_scope\x18\x06 \x01(\x08\"\x84\x01\n\x0e\x43ommitResponse\x12*\n\x05phase\x18\x01 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12/\n\x08manifest\x18\x02 \x01(\x0b\x32\x1d.gymrpc.v1.CheckpointManifest\x12\x15\n\rmanifest_path\x18\x03 \x01(\t\"\xd4\x02\n\x12\x43heckpointManifest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.gymrpc.v1.ParticipantKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0crecords_file\x18\x04 \x01(\t\x12\x14\n\x0crecord_count\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x04\x12)\n\x0b\x65pisode_ids\x18\x08 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eschema_version\x18\n \x01(\r\x12\x16\n\x0erecords_format\x18\x0b \x01(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x0c \x01(\t\"\xd7\x02\n\x0f\x43heckpointIndex\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12/\n\x0b\x63reate_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eschema_version\x18\x03 \x01(\r\x12\x31\n\x07members\x18\x04 \x03(\x0b\x32 .gymrpc.v1.CheckpointIndexMember\x12\x31\n\rtrainer_state\x18\x05 \x01(\x0b\x32\x1a.gymrpc.v1.TrainerStateRef\x12G\n\x0fweight_versions\x18\x06 \x03(\x0b\x32..gymrpc.v1.CheckpointIndex.WeightVersionsEntry\x1a\x35\n\x13WeightVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\x0fTrainerStateRef\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"\x94\x01\n\x15\x43heckpointIndexMember\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.gymrpc.v1.ParticipantKind\x12\x13\n\x0b\x65ndpoint_id\x18\x03 \x01(\t\x12\x15\n\rmanifest_path\x18\x04 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x05 \x01(\t\"&\n\rResumeRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"U\n\x0eResumeResponse\x12*\n\x05phase\x18\x01 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12\x17\n\x0f\x61lready_resumed\x18\x02 \x01(\x08\"\x87\x02\n\x0eRestoreRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0e\x63heckpoint_dir\x18\x03 \x01(\t\x12)\n\x0b\x65pisode_ids\x18\x04 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12\x1b\n\x13source_endpoint_ids\x18\x05 \x03(\t\x12\x14\n\x0c\x65ndpoint_ids\x18\x06 \x03(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x07 \x01(\t\x12%\n\x1d\x61llow_weight_version_mismatch\x18\x08 \x01(\x08\"\x83\x01\n\x0fRestoreResponse\x12*\n\x05phase\x18\x01 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12\x1c\n\x14source_checkpoint_id\x18\x02 \x01(\t\x12&\n\x08restored\x18\x03 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\"\x7f\n\rRetireRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x0b\x65pisode_ids\x18\x03 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\"7\n\x0eRetireResponse\x12%\n\x07retired\x18\x01 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\";\n\rForgetRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x13\n\x0brollout_ids\x18\x02 \x03(\t\"#\n\x0e\x46orgetResponse\x12\x11\n\tforgotten\x18\x01 \x03(\t*\xad\x01\n\x0fParticipantKind\x12 \n\x1cPARTICIPANT_KIND_UNSPECIFIED\x10\x00\x12 \n\x1cPARTICIPANT_KIND_ENVIRONMENT\x10\x01\x12\x1a\n\x16PARTICIPANT_KIND_MODEL\x10\x02\x12\x1a\n\x16PARTICIPANT_KIND_AGENT\x10\x03\x12\x1e\n\x1aPARTICIPANT_KIND_RESOURCES\x10\x04*\xd3\x01\n\x10ParticipantPhase\x12!\n\x1dPARTICIPANT_PHASE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PARTICIPANT_PHASE_IDLE\x10\x01\x12\x1f\n\x1bPARTICIPANT_PHASE_PREPARING\x10\x02\x12\x1e\n\x1aPARTICIPANT_PHASE_PREPARED\x10\x03\x12\x1f\n\x1bPARTICIPANT_PHASE_COMMITTED\x10\x04\x12\x1e\n\x1aPARTICIPANT_PHASE_RESTORED\x10\x05\x32\xc0\x04\n\x12ParticipantService\x12K\n\tGetStatus\x12\x1b.gymrpc.v1.GetStatusRequest\x1a\x1c.gymrpc.v1.GetStatusResponse\"\x03\x90\x02\x01\x12\x45\n\x07Prepare\x12\x19.gymrpc.v1.PrepareRequest\x1a\x1a.gymrpc.v1.PrepareResponse\"\x03\x90\x02\x02\x12?\n\x05Renew\x12\x17.gymrpc.v1.RenewRequest\x1a\x18.gymrpc.v1.RenewResponse\"\x03\x90\x02\x02\x12\x42\n\x06\x43ommit\x12\x18.gymrpc.v1.CommitRequest\x1a\x19.gymrpc.v1.CommitResponse\"\x03\x90\x02\x02\x12\x42\n\x06Resume\x12\x18.gymrpc.v1.ResumeRequest\x1a\x19.gymrpc.v1.ResumeResponse\"\x03\x90\x02\x02\x12\x45\n\x07Restore\x12\x19.gymrpc.v1.RestoreRequest\x1a\x1a.gymrpc.v1.RestoreResponse\"\x03\x90\x02\x02\x12\x42\n\x06Retire\x12\x18.gymrpc.v1.RetireRequest\x1a\x19.gymrpc.v1.RetireResponse\"\x03\x90\x02\x02\x12\x42\n\x06\x46orget\x12\x18.gymrpc.v1.ForgetRequest\x1a\x19.gymrpc.v1.ForgetResponse\"\x03\x90\x02\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#gymrpc/v1/participant_service.proto\x12\tgymrpc.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16gymrpc/v1/common.proto\"\xea\x01\n\rPrepareReport\x12\r\n\x05ready\x18\x01 \x01(\x08\x12&\n\x08\x62lockers\x18\x02 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12\x15\n\rblocker_count\x18\x03 \x01(\r\x12&\n\x08restarts\x18\x04 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12\x34\n\x06\x63ounts\x18\x05 \x03(\x0b\x32$.gymrpc.v1.PrepareReport.CountsEntry\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\x99\x04\n\x11GetStatusResponse\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.gymrpc.v1.ParticipantKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\x05phase\x18\x03 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12\x15\n\rcheckpoint_id\x18\x04 \x01(\t\x12\x35\n\x11lease_expire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12(\n\x06report\x18\x06 \x01(\x0b\x32\x18.gymrpc.v1.PrepareReport\x12:\n\x07retired\x18\x07 \x03(\x0b\x32).gymrpc.v1.GetStatusResponse.RetiredEntry\x12\x0b\n\x03pid\x18\x08 \x01(\x03\x12.\n\nstart_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12:\n\x07\x64\x65tails\x18\n \x03(\x0b\x32).gymrpc.v1.GetStatusResponse.DetailsEntry\x12\x13\n\x0b\x65ndpoint_id\x18\x0b \x01(\t\x1a.\n\x0cRetiredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\x0ePrepareRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"g\n\x0fPrepareResponse\x12*\n\x05phase\x18\x01 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12(\n\x06report\x18\x02 \x01(\x0b\x32\x18.gymrpc.v1.PrepareReport\"S\n\x0cRenewRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"F\n\rRenewResponse\x12\x35\n\x11lease_expire_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xdc\x01\n\rCommitRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0e\x63heckpoint_dir\x18\x03 \x01(\t\x12)\n\x0b\x65pisode_ids\x18\x04 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12\x0c\n\x04stop\x18\x05 \x01(\x08\x12\x16\n\x0e\x65xplicit_scope\x18\x06 \x01(\x08\x12\x1d\n\x15persist_in_background\x18\x07 \x01(\x08\"\x98\x01\n\x0e\x43ommitResponse\x12*\n\x05phase\x18\x01 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12/\n\x08manifest\x18\x02 \x01(\x0b\x32\x1d.gymrpc.v1.CheckpointManifest\x12\x15\n\rmanifest_path\x18\x03 \x01(\t\x12\x12\n\npersisting\x18\x04 \x01(\x08\"U\n\x0ePersistRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"Y\n\x0fPersistResponse\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.gymrpc.v1.CheckpointManifest\x12\x15\n\rmanifest_path\x18\x02 \x01(\t\"\xd4\x02\n\x12\x43heckpointManifest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.gymrpc.v1.ParticipantKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0crecords_file\x18\x04 \x01(\t\x12\x14\n\x0crecord_count\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x04\x12)\n\x0b\x65pisode_ids\x18\x08 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eschema_version\x18\n \x01(\r\x12\x16\n\x0erecords_format\x18\x0b \x01(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x0c \x01(\t\"\xd7\x02\n\x0f\x43heckpointIndex\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12/\n\x0b\x63reate_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eschema_version\x18\x03 \x01(\r\x12\x31\n\x07members\x18\x04 \x03(\x0b\x32 .gymrpc.v1.CheckpointIndexMember\x12\x31\n\rtrainer_state\x18\x05 \x01(\x0b\x32\x1a.gymrpc.v1.TrainerStateRef\x12G\n\x0fweight_versions\x18\x06 \x03(\x0b\x32..gymrpc.v1.CheckpointIndex.WeightVersionsEntry\x1a\x35\n\x13WeightVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\x0fTrainerStateRef\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"\x94\x01\n\x15\x43heckpointIndexMember\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.gymrpc.v1.ParticipantKind\x12\x13\n\x0b\x65ndpoint_id\x18\x03 \x01(\t\x12\x15\n\rmanifest_path\x18\x04 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x05 \x01(\t\"&\n\rResumeRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\"U\n\x0eResumeResponse\x12*\n\x05phase\x18\x01 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12\x17\n\x0f\x61lready_resumed\x18\x02 \x01(\x08\"\x87\x02\n\x0eRestoreRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0e\x63heckpoint_dir\x18\x03 \x01(\t\x12)\n\x0b\x65pisode_ids\x18\x04 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\x12\x1b\n\x13source_endpoint_ids\x18\x05 \x03(\t\x12\x14\n\x0c\x65ndpoint_ids\x18\x06 \x03(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x07 \x01(\t\x12%\n\x1d\x61llow_weight_version_mismatch\x18\x08 \x01(\x08\"\x83\x01\n\x0fRestoreResponse\x12*\n\x05phase\x18\x01 \x01(\x0e\x32\x1b.gymrpc.v1.ParticipantPhase\x12\x1c\n\x14source_checkpoint_id\x18\x02 \x01(\t\x12&\n\x08restored\x18\x03 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\"\x7f\n\rRetireRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x0b\x65pisode_ids\x18\x03 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\"7\n\x0eRetireResponse\x12%\n\x07retired\x18\x01 \x03(\x0b\x32\x14.gymrpc.v1.EpisodeId\";\n\rForgetRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x13\n\x0brollout_ids\x18\x02 \x03(\t\"#\n\x0e\x46orgetResponse\x12\x11\n\tforgotten\x18\x01 \x03(\t*\xad\x01\n\x0fParticipantKind\x12 \n\x1cPARTICIPANT_KIND_UNSPECIFIED\x10\x00\x12 \n\x1cPARTICIPANT_KIND_ENVIRONMENT\x10\x01\x12\x1a\n\x16PARTICIPANT_KIND_MODEL\x10\x02\x12\x1a\n\x16PARTICIPANT_KIND_AGENT\x10\x03\x12\x1e\n\x1aPARTICIPANT_KIND_RESOURCES\x10\x04*\xd3\x01\n\x10ParticipantPhase\x12!\n\x1dPARTICIPANT_PHASE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PARTICIPANT_PHASE_IDLE\x10\x01\x12\x1f\n\x1bPARTICIPANT_PHASE_PREPARING\x10\x02\x12\x1e\n\x1aPARTICIPANT_PHASE_PREPARED\x10\x03\x12\x1f\n\x1bPARTICIPANT_PHASE_COMMITTED\x10\x04\x12\x1e\n\x1aPARTICIPANT_PHASE_RESTORED\x10\x05\x32\x87\x05\n\x12ParticipantService\x12K\n\tGetStatus\x12\x1b.gymrpc.v1.GetStatusRequest\x1a\x1c.gymrpc.v1.GetStatusResponse\"\x03\x90\x02\x01\x12\x45\n\x07Prepare\x12\x19.gymrpc.v1.PrepareRequest\x1a\x1a.gymrpc.v1.PrepareResponse\"\x03\x90\x02\x02\x12?\n\x05Renew\x12\x17.gymrpc.v1.RenewRequest\x1a\x18.gymrpc.v1.RenewResponse\"\x03\x90\x02\x02\x12\x42\n\x06\x43ommit\x12\x18.gymrpc.v1.CommitRequest\x1a\x19.gymrpc.v1.CommitResponse\"\x03\x90\x02\x02\x12\x45\n\x07Persist\x12\x19.gymrpc.v1.PersistRequest\x1a\x1a.gymrpc.v1.PersistResponse\"\x03\x90\x02\x02\x12\x42\n\x06Resume\x12\x18.gymrpc.v1.ResumeRequest\x1a\x19.gymrpc.v1.ResumeResponse\"\x03\x90\x02\x02\x12\x45\n\x07Restore\x12\x19.gymrpc.v1.RestoreRequest\x1a\x1a.gymrpc.v1.RestoreResponse\"\x03\x90\x02\x02\x12\x42\n\x06Retire\x12\x18.gymrpc.v1.RetireRequest\x1a\x19.gymrpc.v1.RetireResponse\"\x03\x90\x02\x02\x12\x42\n\x06\x46orget\x12\x18.gymrpc.v1.ForgetRequest\x1a\x19.gymrpc.v1.ForgetResponse\"\x03\x90\x02\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,6 +49,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PARTICIPANTSERVICE'].methods_by_name['Renew']._serialized_options = b'\220\002\002'
   _globals['_PARTICIPANTSERVICE'].methods_by_name['Commit']._loaded_options = None
   _globals['_PARTICIPANTSERVICE'].methods_by_name['Commit']._serialized_options = b'\220\002\002'
+  _globals['_PARTICIPANTSERVICE'].methods_by_name['Persist']._loaded_options = None
+  _globals['_PARTICIPANTSERVICE'].methods_by_name['Persist']._serialized_options = b'\220\002\002'
   _globals['_PARTICIPANTSERVICE'].methods_by_name['Resume']._loaded_options = None
   _globals['_PARTICIPANTSERVICE'].methods_by_name['Resume']._serialized_options = b'\220\002\002'
   _globals['_PARTICIPANTSERVICE'].methods_by_name['Restore']._loaded_options = None
@@ -57,10 +59,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PARTICIPANTSERVICE'].methods_by_name['Retire']._serialized_options = b'\220\002\002'
   _globals['_PARTICIPANTSERVICE'].methods_by_name['Forget']._loaded_options = None
   _globals['_PARTICIPANTSERVICE'].methods_by_name['Forget']._serialized_options = b'\220\002\002'
-  _globals['_PARTICIPANTKIND']._serialized_start=3315
-  _globals['_PARTICIPANTKIND']._serialized_end=3488
-  _globals['_PARTICIPANTPHASE']._serialized_start=3491
-  _globals['_PARTICIPANTPHASE']._serialized_end=3702
+  _globals['_PARTICIPANTKIND']._serialized_start=3544
+  _globals['_PARTICIPANTKIND']._serialized_end=3717
+  _globals['_PARTICIPANTPHASE']._serialized_start=3720
+  _globals['_PARTICIPANTPHASE']._serialized_end=3931
   _globals['_PREPAREREPORT']._serialized_start=108
   _globals['_PREPAREREPORT']._serialized_end=342
   _globals['_PREPAREREPORT_COUNTSENTRY']._serialized_start=297
@@ -82,35 +84,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RENEWRESPONSE']._serialized_start=1181
   _globals['_RENEWRESPONSE']._serialized_end=1251
   _globals['_COMMITREQUEST']._serialized_start=1254
-  _globals['_COMMITREQUEST']._serialized_end=1443
-  _globals['_COMMITRESPONSE']._serialized_start=1446
-  _globals['_COMMITRESPONSE']._serialized_end=1578
-  _globals['_CHECKPOINTMANIFEST']._serialized_start=1581
-  _globals['_CHECKPOINTMANIFEST']._serialized_end=1921
-  _globals['_CHECKPOINTINDEX']._serialized_start=1924
-  _globals['_CHECKPOINTINDEX']._serialized_end=2267
-  _globals['_CHECKPOINTINDEX_WEIGHTVERSIONSENTRY']._serialized_start=2214
-  _globals['_CHECKPOINTINDEX_WEIGHTVERSIONSENTRY']._serialized_end=2267
-  _globals['_TRAINERSTATEREF']._serialized_start=2269
-  _globals['_TRAINERSTATEREF']._serialized_end=2350
-  _globals['_CHECKPOINTINDEXMEMBER']._serialized_start=2353
-  _globals['_CHECKPOINTINDEXMEMBER']._serialized_end=2501
-  _globals['_RESUMEREQUEST']._serialized_start=2503
-  _globals['_RESUMEREQUEST']._serialized_end=2541
-  _globals['_RESUMERESPONSE']._serialized_start=2543
-  _globals['_RESUMERESPONSE']._serialized_end=2628
-  _globals['_RESTOREREQUEST']._serialized_start=2631
-  _globals['_RESTOREREQUEST']._serialized_end=2894
-  _globals['_RESTORERESPONSE']._serialized_start=2897
-  _globals['_RESTORERESPONSE']._serialized_end=3028
-  _globals['_RETIREREQUEST']._serialized_start=3030
-  _globals['_RETIREREQUEST']._serialized_end=3157
-  _globals['_RETIRERESPONSE']._serialized_start=3159
-  _globals['_RETIRERESPONSE']._serialized_end=3214
-  _globals['_FORGETREQUEST']._serialized_start=3216
-  _globals['_FORGETREQUEST']._serialized_end=3275
-  _globals['_FORGETRESPONSE']._serialized_start=3277
-  _globals['_FORGETRESPONSE']._serialized_end=3312
-  _globals['_PARTICIPANTSERVICE']._serialized_start=3705
-  _globals['_PARTICIPANTSERVICE']._serialized_end=4281
+  _globals['_COMMITREQUEST']._serialized_end=1474
+  _globals['_COMMITRESPONSE']._serialized_start=1477
+  _globals['_COMMITRESPONSE']._serialized_end=1629
+  _globals['_PERSISTREQUEST']._serialized_start=1631
+  _globals['_PERSISTREQUEST']._serialized_end=1716
+  _globals['_PERSISTRESPONSE']._serialized_start=1718
+  _globals['_PERSISTRESPONSE']._serialized_end=1807
+  _globals['_CHECKPOINTMANIFEST']._serialized_start=1810
+  _globals['_CHECKPOINTMANIFEST']._serialized_end=2150
+  _globals['_CHECKPOINTINDEX']._serialized_start=2153
+  _globals['_CHECKPOINTINDEX']._serialized_end=2496
+  _globals['_CHECKPOINTINDEX_WEIGHTVERSIONSENTRY']._serialized_start=2443
+  _globals['_CHECKPOINTINDEX_WEIGHTVERSIONSENTRY']._serialized_end=2496
+  _globals['_TRAINERSTATEREF']._serialized_start=2498
+  _globals['_TRAINERSTATEREF']._serialized_end=2579
+  _globals['_CHECKPOINTINDEXMEMBER']._serialized_start=2582
+  _globals['_CHECKPOINTINDEXMEMBER']._serialized_end=2730
+  _globals['_RESUMEREQUEST']._serialized_start=2732
+  _globals['_RESUMEREQUEST']._serialized_end=2770
+  _globals['_RESUMERESPONSE']._serialized_start=2772
+  _globals['_RESUMERESPONSE']._serialized_end=2857
+  _globals['_RESTOREREQUEST']._serialized_start=2860
+  _globals['_RESTOREREQUEST']._serialized_end=3123
+  _globals['_RESTORERESPONSE']._serialized_start=3126
+  _globals['_RESTORERESPONSE']._serialized_end=3257
+  _globals['_RETIREREQUEST']._serialized_start=3259
+  _globals['_RETIREREQUEST']._serialized_end=3386
+  _globals['_RETIRERESPONSE']._serialized_start=3388
+  _globals['_RETIRERESPONSE']._serialized_end=3443
+  _globals['_FORGETREQUEST']._serialized_start=3445
+  _globals['_FORGETREQUEST']._serialized_end=3504
+  _globals['_FORGETRESPONSE']._serialized_start=3506
+  _globals['_FORGETRESPONSE']._serialized_end=3541
+  _globals['_PARTICIPANTSERVICE']._serialized_start=3934
+  _globals['_PARTICIPANTSERVICE']._serialized_end=4581
 # @@protoc_insertion_point(module_scope)

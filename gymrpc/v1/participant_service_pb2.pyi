@@ -404,6 +404,7 @@ class CommitRequest(_message.Message):
     EPISODE_IDS_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     EXPLICIT_SCOPE_FIELD_NUMBER: _builtins.int
+    PERSIST_IN_BACKGROUND_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Prepared checkpoint."""
     checkpoint_dir: _builtins.str
@@ -414,6 +415,13 @@ class CommitRequest(_message.Message):
     """`episode_ids` is the whole scope even when empty: a commit that continues
     nothing stores no episode. Controllers set it; unset keeps the older
     meaning of an empty list (every parked episode).
+    """
+    persist_in_background: _builtins.bool
+    """Reply once this participant's state is captured in memory (an immutable
+    copy of the records), before anything is written: the controller can
+    resume at once, while the records file and manifest are written in the
+    background. `Persist` waits for that write. A participant that does not
+    know the field writes first and replies with the manifest, as before.
     """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
@@ -434,10 +442,11 @@ class CommitRequest(_message.Message):
         episode_ids: _abc.Iterable[_common_pb2.EpisodeId] | None = ...,
         stop: _builtins.bool = ...,
         explicit_scope: _builtins.bool = ...,
+        persist_in_background: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "episode_ids", b"episode_ids", "explicit_scope", b"explicit_scope", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "episode_ids", b"episode_ids", "explicit_scope", b"explicit_scope", "persist_in_background", b"persist_in_background", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -452,12 +461,18 @@ class CommitResponse(_message.Message):
     PHASE_FIELD_NUMBER: _builtins.int
     MANIFEST_FIELD_NUMBER: _builtins.int
     MANIFEST_PATH_FIELD_NUMBER: _builtins.int
+    PERSISTING_FIELD_NUMBER: _builtins.int
     phase: Global___ParticipantPhase.ValueType
     """`COMMITTED`."""
     manifest_path: _builtins.str
     """Where that manifest is, relative to the checkpoint folder:
     `<kind>/<instance>[#<endpoint_id>]/manifest.json`, the path a controller
     puts in the checkpoint's index (`CheckpointIndexMember.manifest_path`).
+    """
+    persisting: _builtins.bool
+    """True when the commit was captured but not yet written
+    (`persist_in_background`): `manifest` and `manifest_path` are unset, and
+    `Persist` returns them once the write is durable.
     """
     @_builtins.property
     def manifest(self) -> Global___CheckpointManifest:
@@ -469,14 +484,75 @@ class CommitResponse(_message.Message):
         phase: Global___ParticipantPhase.ValueType = ...,
         manifest: Global___CheckpointManifest | None = ...,
         manifest_path: _builtins.str = ...,
+        persisting: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "manifest_path", b"manifest_path", "phase", b"phase"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "manifest_path", b"manifest_path", "persisting", b"persisting", "phase", b"phase"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitResponse: _TypeAlias = CommitResponse  # noqa: Y015
+
+@_typing.final
+class PersistRequest(_message.Message):
+    """Request of `ParticipantService.Persist`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    """Checkpoint committed with `persist_in_background`."""
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Absolute deadline of the wait; the write goes on past it, and a retried
+        call waits again.
+        """
+
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "deadline", b"deadline"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PersistRequest: _TypeAlias = PersistRequest  # noqa: Y015
+
+@_typing.final
+class PersistResponse(_message.Message):
+    """Response of `ParticipantService.Persist`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    MANIFEST_PATH_FIELD_NUMBER: _builtins.int
+    manifest_path: _builtins.str
+    """Where that manifest is, relative to the checkpoint folder (as
+    `CommitResponse.manifest_path`).
+    """
+    @_builtins.property
+    def manifest(self) -> Global___CheckpointManifest:
+        """The manifest written (records file and manifest fsynced)."""
+
+    def __init__(
+        self,
+        *,
+        manifest: Global___CheckpointManifest | None = ...,
+        manifest_path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "manifest_path", b"manifest_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PersistResponse: _TypeAlias = PersistResponse  # noqa: Y015
 
 @_typing.final
 class CheckpointManifest(_message.Message):

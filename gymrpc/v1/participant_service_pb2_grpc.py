@@ -74,6 +74,11 @@ class ParticipantServiceStub:
                 request_serializer=gymrpc_dot_v1_dot_participant__service__pb2.CommitRequest.SerializeToString,
                 response_deserializer=gymrpc_dot_v1_dot_participant__service__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.Persist = channel.unary_unary(
+                '/gymrpc.v1.ParticipantService/Persist',
+                request_serializer=gymrpc_dot_v1_dot_participant__service__pb2.PersistRequest.SerializeToString,
+                response_deserializer=gymrpc_dot_v1_dot_participant__service__pb2.PersistResponse.FromString,
+                _registered_method=True)
         self.Resume = channel.unary_unary(
                 '/gymrpc.v1.ParticipantService/Resume',
                 request_serializer=gymrpc_dot_v1_dot_participant__service__pb2.ResumeRequest.SerializeToString,
@@ -143,6 +148,19 @@ class ParticipantServiceServicer:
 
     def Commit(self, request, context):
         """Writes this participant's records, then its manifest (create-only, last).
+        With `persist_in_background` it replies once the state is captured in
+        memory and writes afterwards (`Persist` reports the manifest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Persist(self, request, context):
+        """Waits (until the deadline) for the background write of a commit made
+        with `persist_in_background`, in any phase (the checkpoint may already be
+        resumed), and returns its manifest. A process that holds no such commit
+        (it restarted after the capture) answers FAILED_PRECONDITION
+        `CHECKPOINT_INCOMPLETE`: that checkpoint can never be published.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -198,6 +216,11 @@ def add_ParticipantServiceServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=gymrpc_dot_v1_dot_participant__service__pb2.CommitRequest.FromString,
                     response_serializer=gymrpc_dot_v1_dot_participant__service__pb2.CommitResponse.SerializeToString,
+            ),
+            'Persist': grpc.unary_unary_rpc_method_handler(
+                    servicer.Persist,
+                    request_deserializer=gymrpc_dot_v1_dot_participant__service__pb2.PersistRequest.FromString,
+                    response_serializer=gymrpc_dot_v1_dot_participant__service__pb2.PersistResponse.SerializeToString,
             ),
             'Resume': grpc.unary_unary_rpc_method_handler(
                     servicer.Resume,
@@ -348,6 +371,33 @@ class ParticipantService:
             '/gymrpc.v1.ParticipantService/Commit',
             gymrpc_dot_v1_dot_participant__service__pb2.CommitRequest.SerializeToString,
             gymrpc_dot_v1_dot_participant__service__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Persist(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gymrpc.v1.ParticipantService/Persist',
+            gymrpc_dot_v1_dot_participant__service__pb2.PersistRequest.SerializeToString,
+            gymrpc_dot_v1_dot_participant__service__pb2.PersistResponse.FromString,
             options,
             channel_credentials,
             insecure,

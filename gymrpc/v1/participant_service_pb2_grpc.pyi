@@ -62,7 +62,17 @@ class ParticipantServiceStub:
     Renew: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.RenewRequest, _participant_service_pb2.RenewResponse]
     """Extends the lease of the open checkpoint."""
     Commit: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.CommitRequest, _participant_service_pb2.CommitResponse]
-    """Writes this participant's records, then its manifest (create-only, last)."""
+    """Writes this participant's records, then its manifest (create-only, last).
+    With `persist_in_background` it replies once the state is captured in
+    memory and writes afterwards (`Persist` reports the manifest).
+    """
+    Persist: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.PersistRequest, _participant_service_pb2.PersistResponse]
+    """Waits (until the deadline) for the background write of a commit made
+    with `persist_in_background`, in any phase (the checkpoint may already be
+    resumed), and returns its manifest. A process that holds no such commit
+    (it restarted after the capture) answers FAILED_PRECONDITION
+    `CHECKPOINT_INCOMPLETE`: that checkpoint can never be published.
+    """
     Resume: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.ResumeRequest, _participant_service_pb2.ResumeResponse]
     """Reopens admission; aborts the checkpoint if it was not committed."""
     Restore: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.RestoreRequest, _participant_service_pb2.RestoreResponse]
@@ -106,7 +116,17 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     Renew: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.RenewRequest, _participant_service_pb2.RenewResponse]  # type: ignore[assignment]
     """Extends the lease of the open checkpoint."""
     Commit: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.CommitRequest, _participant_service_pb2.CommitResponse]  # type: ignore[assignment]
-    """Writes this participant's records, then its manifest (create-only, last)."""
+    """Writes this participant's records, then its manifest (create-only, last).
+    With `persist_in_background` it replies once the state is captured in
+    memory and writes afterwards (`Persist` reports the manifest).
+    """
+    Persist: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.PersistRequest, _participant_service_pb2.PersistResponse]  # type: ignore[assignment]
+    """Waits (until the deadline) for the background write of a commit made
+    with `persist_in_background`, in any phase (the checkpoint may already be
+    resumed), and returns its manifest. A process that holds no such commit
+    (it restarted after the capture) answers FAILED_PRECONDITION
+    `CHECKPOINT_INCOMPLETE`: that checkpoint can never be published.
+    """
     Resume: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.ResumeRequest, _participant_service_pb2.ResumeResponse]  # type: ignore[assignment]
     """Reopens admission; aborts the checkpoint if it was not committed."""
     Restore: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.RestoreRequest, _participant_service_pb2.RestoreResponse]  # type: ignore[assignment]
@@ -171,7 +191,23 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _participant_service_pb2.CommitRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_participant_service_pb2.CommitResponse, _abc.Awaitable[_participant_service_pb2.CommitResponse]]:
-        """Writes this participant's records, then its manifest (create-only, last)."""
+        """Writes this participant's records, then its manifest (create-only, last).
+        With `persist_in_background` it replies once the state is captured in
+        memory and writes afterwards (`Persist` reports the manifest).
+        """
+
+    @_abc_1.abstractmethod
+    def Persist(
+        self,
+        request: _participant_service_pb2.PersistRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_participant_service_pb2.PersistResponse, _abc.Awaitable[_participant_service_pb2.PersistResponse]]:
+        """Waits (until the deadline) for the background write of a commit made
+        with `persist_in_background`, in any phase (the checkpoint may already be
+        resumed), and returns its manifest. A process that holds no such commit
+        (it restarted after the capture) answers FAILED_PRECONDITION
+        `CHECKPOINT_INCOMPLETE`: that checkpoint can never be published.
+        """
 
     @_abc_1.abstractmethod
     def Resume(

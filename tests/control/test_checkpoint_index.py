@@ -143,7 +143,9 @@ def test_a_commit_that_failed_on_one_replica_leaves_no_index_and_a_restore_refus
         old = await seeded()
         controller = controller_of(ReplicaClient(old, broken={"1": {"Commit"}}))
         with pytest.raises(CoordinationError) as caught:
-            await controller.checkpoint(tmp_path, episode_ids=EPISODES, checkpoint_id="c1")
+            # Written before the commit replies (not in the background), so replica 0's folder is complete
+            # when the failure is raised: the escape hatch below reads it.
+            await controller.checkpoint(tmp_path, episode_ids=EPISODES, checkpoint_id="c1", nonstop=False)
         assert list(caught.value.failures) == [f"{NAME}#1"]
         await close(old)
         folder = tmp_path / "c1"

@@ -296,3 +296,65 @@ def test_a_crash_during_commit_leaves_the_previous_checkpoint_intact(start_stack
             assert [outcome(t) for t in trajectories] == reference
 
     asyncio.run(restore())
+
+
+def test_a_member_killed_between_its_capture_and_its_write_publishes_nothing(start_stack: Any, tmp_path: Path) -> None:
+    """Non-stop checkpoints: resources/counter SIGKILLs itself after its capture, once the controller resumed
+    on it and before it wrote anything. That checkpoint gets no index; the previous one restores."""
+    marker = tmp_path / "crashed"
+    marker.touch()  # armed later: the first checkpoint must not crash
+    stack = start_stack(
+        config({"GYMRPC_CONTROL_CRASH_AT": "persist_before_write", "GYMRPC_CONTROL_CRASH_MARKER": str(marker)})
+    )
+    root = tmp_path / "checkpoints"
+
+    async def main() -> tuple[list[Any], list[EpisodeState], Path]:
+        async with Client(run_dir=stack.run_dir) as client:
+            driver, controller = Driver(client), Controller(client)
+            reference = [outcome(t) for t in await asyncio.gather(*(driver.finish(s) for s in driver.episodes("ref")))]
+            states = driver.episodes("ep")
+            await asyncio.gather(*(driver.advance(s, 2) for s in states))
+            boundary = [copy.deepcopy(s) for s in states]
+            scope = [EpisodeKey(s.rollout_id, 0) for s in states]
+            good = await controller.checkpoint(root, episode_ids=scope, checkpoint_id="ckpt-good")
+            assert good.committed
+            await asyncio.gather(*(driver.advance(s, 1) for s in states))
+            marker.unlink()
+            with pytest.raises(CoordinationError) as caught:
+                await controller.checkpoint(root, episode_ids=scope, checkpoint_id="ckpt-lost", timeout=10)
+            assert caught.value.operation == "persist"  # captured everywhere, then not persisted
+            assert list(caught.value.failures) == ["resources/counter"]
+            assert marker.exists()  # it died after the resume reached it, before its write
+            lost = root / "ckpt-lost"
+            assert not (lost / "checkpoint.json").exists()
+            assert not list((lost / "resources" / "counter").glob("*"))
+            # The others persisted and were resumed: the checkpoint just never exists.
+            assert (lost / "resources" / "blackjack" / "manifest.json").exists()
+            status = await controller.status()
+            assert {s.phase for s in status.values()} == {pb.PARTICIPANT_PHASE_IDLE}
+            return reference, boundary, good.checkpoint_dir
+
+    reference, boundary, folder = asyncio.run(main())
+    stack.wait_for("resources/counter", lambda s: s["restarts"] >= 1 and s["state"] == "serving")
+
+    async def refuse_lost() -> None:
+        async with Client(run_dir=stack.run_dir) as client:
+            scope = [EpisodeKey(s.rollout_id, 0) for s in boundary]
+            with pytest.raises(FailedPrecondition) as refused:
+                await Controller(client).restore("restore-lost", root / "ckpt-lost", scope)
+            assert refused.value.reason == "CHECKPOINT_INCOMPLETE"
+
+    asyncio.run(refuse_lost())
+    restart_all(stack)  # a restore goes into fresh processes only
+
+    async def restore() -> None:
+        async with Client(run_dir=stack.run_dir) as client:
+            driver, controller = Driver(client), Controller(client)
+            await controller.restore("restore-good", folder, [EpisodeKey(s.rollout_id, 0) for s in boundary])
+            await controller.resume("restore-good")
+            for state in boundary:
+                state.attempt = 1
+            trajectories = await asyncio.gather(*(driver.finish(s) for s in boundary))
+            assert [outcome(t) for t in trajectories] == reference
+
+    asyncio.run(restore())

@@ -14,7 +14,10 @@ installs fail. After every step it checks the invariants of the reference's simu
 - after a retire every participant refuses the attempt (status marks and data-plane calls);
 - a commit returns only continued episodes;
 - every manifest on disk verifies (size, sha256, count, decode);
-- a checkpoint resumed without a manifest on some participant never gets one there;
+- a checkpoint resumed without a manifest on some participant never gets one there (a
+  stop-the-world checkpoint, `nonstop=False`, or a single commit);
+- a non-stop checkpoint (captured, resumed, then persisted) whose publish failed never gets an
+  index, though its hung writes may finish later;
 - every committed checkpoint restores into a fresh deployment, each episode exactly at its boundary;
 - a failed restore leaves everyone idle and open with nothing restored.
 
@@ -42,7 +45,7 @@ import pytest
 
 from gymrpc.control import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind, Phase
 from gymrpc.control import store as store_module
-from gymrpc.control.index import index_sources, read_index
+from gymrpc.control.index import INDEX, index_sources, read_index
 from gymrpc.controller import CoordinationError
 from gymrpc.errors import GymrpcError, InvalidArgument, NotFound
 from tests.control.deployment import Deployment, FakeAgent, Node
@@ -117,6 +120,10 @@ class Simulation:
         self.first_commit: tuple[dict[str, Any], list[EpisodeKey]] | None = None
         self.latest: tuple[Path, dict[str, Episode]] | None = None
         self.never: set[tuple[Path, str]] = set()
+        self.unpublished: set[Path] = set()
+        """Folders of non-stop checkpoints whose publish failed: none may get an index."""
+        self.modes = random.Random(seed + 7919)
+        """Draws non-stop or stop-the-world per checkpoint, apart from `rng` (which drives the steps)."""
         """(checkpoint folder, participant) resumed without a manifest: none may appear later."""
         self.ids = itertools.count()
         self.verified: set[Path] = set()
@@ -255,15 +262,21 @@ class Simulation:
         blocked = any(e.running for e in self.live.values())
         timeout = MISS if blocked else SHORT if faults.startswith(" (hang") else LONG
         snapshot = dict(self.live)
+        nonstop = self.modes.random() < 0.5
+        mode = "non-stop" if nonstop else "stop-the-world"
         try:
             result = await self.d.controller.checkpoint(
-                self.root, episode_ids=self.scope(), checkpoint_id=checkpoint_id, timeout=timeout
+                self.root, episode_ids=self.scope(), checkpoint_id=checkpoint_id, timeout=timeout, nonstop=nonstop
             )
         except CoordinationError as exc:
-            self.note(f"checkpoint {checkpoint_id}{faults}: failed, aborted: {sorted(exc.failures)}")
+            self.note(f"checkpoint {checkpoint_id} {mode}{faults}: failed, aborted: {sorted(exc.failures)}")
             if not (blocked and self.missed(exc)):
                 self.expect_failure(faults, exc)
-            self.after_resume(folder)
+            if nonstop and exc.operation == "persist":  # captured and resumed: writes may still land, no index
+                assert not (folder / INDEX).exists(), "a checkpoint whose publish failed was indexed"
+                self.unpublished.add(folder)
+            else:
+                self.after_resume(folder)
             return
         finally:
             self.writes.faults = {}
@@ -276,7 +289,7 @@ class Simulation:
             return
         assert not blocked, "a checkpoint committed while an episode was between boundaries"
         assert not faults.startswith(" (fail"), "a failed write still committed"
-        self.note(f"checkpoint {checkpoint_id}{faults}: committed {len(result.continued)} episodes")
+        self.note(f"checkpoint {checkpoint_id} {mode}{faults}: committed {len(result.continued)} episodes")
         await self.committed(folder, result.manifests, snapshot)
 
     async def do_prepare(self) -> None:
@@ -508,6 +521,8 @@ class Simulation:
                 kind, instance = manifest.parent.parent.name, manifest.parent.name
                 store_module.read_checkpoint(manifest.parents[2], Kind[kind.upper()], f"{kind}/{instance}")
                 self.verified.add(manifest)
+        for folder in self.unpublished:
+            assert not (folder / INDEX).exists(), f"{folder.name} was indexed after its publish failed"
         for folder, name in self.never:
             assert not self.manifest(folder, name).exists(), (
                 f"{name} published a manifest for {folder.name} after it was resumed without one"

@@ -230,4 +230,5 @@ def test_a_checkpoint_is_one_trace_of_its_phases(spans: InMemorySpanExporter, tm
     assert root.attributes is not None
     assert root.attributes["gymrpc.operation_id"] == "c1"
     phases = [s.name for s in finished if s.parent is not None and s.parent.span_id == root.context.span_id]
-    assert phases == ["checkpoint.prepare", "checkpoint.commit", "checkpoint.resume"]
+    # The commit only captures: the episodes resume before the write is published.
+    assert phases == ["checkpoint.prepare", "checkpoint.commit", "checkpoint.resume", "checkpoint.publish"]

@@ -316,6 +316,17 @@ export declare type CommitRequest = Message<"gymrpc.v1.CommitRequest"> & {
    * @generated from field: bool explicit_scope = 6;
    */
   explicitScope: boolean;
+
+  /**
+   * Reply once this participant's state is captured in memory (an immutable
+   * copy of the records), before anything is written: the controller can
+   * resume at once, while the records file and manifest are written in the
+   * background. `Persist` waits for that write. A participant that does not
+   * know the field writes first and replies with the manifest, as before.
+   *
+   * @generated from field: bool persist_in_background = 7;
+   */
+  persistInBackground: boolean;
 };
 
 /**
@@ -352,6 +363,15 @@ export declare type CommitResponse = Message<"gymrpc.v1.CommitResponse"> & {
    * @generated from field: string manifest_path = 3;
    */
   manifestPath: string;
+
+  /**
+   * True when the commit was captured but not yet written
+   * (`persist_in_background`): `manifest` and `manifest_path` are unset, and
+   * `Persist` returns them once the write is durable.
+   *
+   * @generated from field: bool persisting = 4;
+   */
+  persisting: boolean;
 };
 
 /**
@@ -359,6 +379,62 @@ export declare type CommitResponse = Message<"gymrpc.v1.CommitResponse"> & {
  * Use `create(CommitResponseSchema)` to create a new message.
  */
 export declare const CommitResponseSchema: GenMessage<CommitResponse>;
+
+/**
+ * Request of `ParticipantService.Persist`.
+ *
+ * @generated from message gymrpc.v1.PersistRequest
+ */
+export declare type PersistRequest = Message<"gymrpc.v1.PersistRequest"> & {
+  /**
+   * Checkpoint committed with `persist_in_background`.
+   *
+   * @generated from field: string checkpoint_id = 1;
+   */
+  checkpointId: string;
+
+  /**
+   * Absolute deadline of the wait; the write goes on past it, and a retried
+   * call waits again.
+   *
+   * @generated from field: google.protobuf.Timestamp deadline = 2;
+   */
+  deadline?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message gymrpc.v1.PersistRequest.
+ * Use `create(PersistRequestSchema)` to create a new message.
+ */
+export declare const PersistRequestSchema: GenMessage<PersistRequest>;
+
+/**
+ * Response of `ParticipantService.Persist`.
+ *
+ * @generated from message gymrpc.v1.PersistResponse
+ */
+export declare type PersistResponse = Message<"gymrpc.v1.PersistResponse"> & {
+  /**
+   * The manifest written (records file and manifest fsynced).
+   *
+   * @generated from field: gymrpc.v1.CheckpointManifest manifest = 1;
+   */
+  manifest?: CheckpointManifest | undefined;
+
+  /**
+   * Where that manifest is, relative to the checkpoint folder (as
+   * `CommitResponse.manifest_path`).
+   *
+   * @generated from field: string manifest_path = 2;
+   */
+  manifestPath: string;
+};
+
+/**
+ * Describes the message gymrpc.v1.PersistResponse.
+ * Use `create(PersistResponseSchema)` to create a new message.
+ */
+export declare const PersistResponseSchema: GenMessage<PersistResponse>;
 
 /**
  * What a participant wrote for one checkpoint.
@@ -1049,6 +1125,8 @@ export declare const ParticipantService: GenService<{
   },
   /**
    * Writes this participant's records, then its manifest (create-only, last).
+   * With `persist_in_background` it replies once the state is captured in
+   * memory and writes afterwards (`Persist` reports the manifest).
    *
    * @generated from rpc gymrpc.v1.ParticipantService.Commit
    */
@@ -1056,6 +1134,20 @@ export declare const ParticipantService: GenService<{
     methodKind: "unary";
     input: typeof CommitRequestSchema;
     output: typeof CommitResponseSchema;
+  },
+  /**
+   * Waits (until the deadline) for the background write of a commit made
+   * with `persist_in_background`, in any phase (the checkpoint may already be
+   * resumed), and returns its manifest. A process that holds no such commit
+   * (it restarted after the capture) answers FAILED_PRECONDITION
+   * `CHECKPOINT_INCOMPLETE`: that checkpoint can never be published.
+   *
+   * @generated from rpc gymrpc.v1.ParticipantService.Persist
+   */
+  persist: {
+    methodKind: "unary";
+    input: typeof PersistRequestSchema;
+    output: typeof PersistResponseSchema;
   },
   /**
    * Reopens admission; aborts the checkpoint if it was not committed.
