@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--max-weight", type=float, default=2.0, help="cap on a token's importance weight (default %(default)s)"
     )
+    run.add_argument(
+        "--kl-beta", type=float, default=0.0, help="k3 KL penalty towards the start weights (default %(default)s)"
+    )
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--max-tokens", type=_positive, default=64, help="tokens per model call (default %(default)s)")
     run.add_argument("--max-steps", type=_positive, default=4, help="model calls per episode (default %(default)s)")
@@ -123,7 +126,7 @@ async def _run(args: argparse.Namespace, config: TrainConfig, tasks: list[Rollou
         elif model is None:
             print("gymrpc train run: nothing to resume and no --model to start from", file=sys.stderr)
             return EXIT_USAGE
-    hyper = Hyper(lr=args.lr, max_weight=args.max_weight)
+    hyper = Hyper(lr=args.lr, max_weight=args.max_weight, kl_beta=args.kl_beta)
     policy = await asyncio.to_thread(Policy, model, hyper, seed=args.seed)
     try:
         client = Client(run_dir=run_dir)
