@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     init = sub.add_parser("init", help="build the weak start policy: the tiny model on a mixture of near misses")
     init.add_argument("out", type=Path, help="model folder to write")
     init.add_argument("--correct", type=float, default=0.4, help="chance a number is read right (default %(default)s)")
-    init.add_argument("--steps", type=_positive, default=100, help="fine-tune steps (default %(default)s)")
+    init.add_argument("--steps", type=_positive, default=300, help="fine-tune steps (default %(default)s)")
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(train_func=cmd_init)
 
