@@ -17,9 +17,10 @@ clip range (the few tokens that decide the reward) got no gradient at all. The d
 
 `logp_ref` is a frozen copy of the start weights (`Hyper.kl_beta` > 0). Without it, one step
 that moves the tool-call format's tokens (Adam moves every weight by about lr whatever its
-gradient) could leave a policy whose every episode fails: no group differs, so no gradient
-ever leads back. The KL term is on every trained token, also of groups whose rewards are all
-equal, so it pulls such a policy back towards the start's format.
+gradient) could leave a policy whose every episode fails: no group differs, so the policy
+gradient is zero from then on. The KL term is on every trained token, also of groups whose
+rewards are all equal, so it is the one term that still pulls towards the start's format. Measured
+(docs/training.md): with beta 0.02 the later batches drift less, the first reaching 0.9 comes later.
 
 torch and transformers are imported inside the functions: they are in `.venv-vllm` only.
 """
@@ -55,10 +56,9 @@ class StepStats:
 @dataclass(frozen=True)
 class Hyper:
     lr: float = 3e-4
-    """Measured on the weak start: 3e-3 wrecks it in one step (Adam's first steps move every weight
-    by about lr, the format's included); 3e-4 goes 0.125 -> 1.0 in five iterations of 8 episodes
-    on-policy, while with the one-version lag 6e-4 and 1e-3 sometimes reach 0.9 and sometimes
-    collapse (docs/training.md, "Measured")."""
+    """3e-3 wrecks the weak start in one step (Adam's first steps move every weight by about lr, the
+    format's included); the documented runs use 6e-4 with 64 episodes a batch, where 16 a batch
+    plateaued or collapsed (docs/training.md, the reference trainer's measured runs)."""
     max_weight: float = 2.0
     """Cap on the importance weight pi_trainer / pi_sampler of a token (truncated importance sampling)."""
     max_grad_norm: float = 1.0
@@ -88,7 +88,7 @@ class Policy:
             self.reference = _frozen_copy(self.model)
 
     def step(self, samples: Sequence[Sample]) -> StepStats:
-        """One optimizer step on `samples` (advantages set); samples with advantage 0 only count tokens."""
+        """One optimizer step on `samples` (advantages set); advantage-0 samples only count tokens, unless a KL term."""
         import torch
 
         rows = [(seq, s.advantage) for s in samples for seq in s.sequences if seq.trained_tokens]
@@ -189,7 +189,9 @@ class Policy:
         _load_weights(self.model, folder / "weights")
         if self.reference is not None:
             if not (folder / REFERENCE_DIR).is_dir():
-                raise ValueError(f"{folder}: no {REFERENCE_DIR}/ (saved without a KL penalty): resume with --kl-beta 0")
+                from gymrpc.train.state import StateError
+
+                raise StateError(f"{folder}: no {REFERENCE_DIR}/ (saved without a KL penalty): resume with --kl-beta 0")
             _load_weights(self.reference, folder / REFERENCE_DIR)
         saved = torch.load(folder / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(saved["optimizer"])
