@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     init = sub.add_parser("init", help="build the weak start policy: the tiny model on a mixture of near misses")
     init.add_argument("out", type=Path, help="model folder to write")
     init.add_argument("--correct", type=float, default=0.4, help="chance a number is read right (default %(default)s)")
-    init.add_argument("--steps", type=_positive, default=100, help="fine-tune steps (default %(default)s)")
+    init.add_argument("--steps", type=_positive, default=300, help="fine-tune steps (default %(default)s)")
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(train_func=cmd_init)
 
@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default %(default)s)")
     run.add_argument(
         "--max-weight", type=float, default=2.0, help="cap on a token's importance weight (default %(default)s)"
+    )
+    run.add_argument(
+        "--kl-beta", type=float, default=0.0, help="k3 KL penalty towards the start weights (default %(default)s)"
     )
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--max-tokens", type=_positive, default=64, help="tokens per model call (default %(default)s)")
@@ -123,7 +126,7 @@ async def _run(args: argparse.Namespace, config: TrainConfig, tasks: list[Rollou
         elif model is None:
             print("gymrpc train run: nothing to resume and no --model to start from", file=sys.stderr)
             return EXIT_USAGE
-    hyper = Hyper(lr=args.lr, max_weight=args.max_weight)
+    hyper = Hyper(lr=args.lr, max_weight=args.max_weight, kl_beta=args.kl_beta)
     policy = await asyncio.to_thread(Policy, model, hyper, seed=args.seed)
     try:
         client = Client(run_dir=run_dir)
