@@ -70,9 +70,12 @@ describe("a live stack", { skip: NEEDS_STACK }, () => {
       timeoutMs: 60_000,
     });
     assert.equal(trajectory.reward, 1);
-    const after = await waitFor(() => server("agent/counter").pid !== before.pid && server("agent/counter"), {
-      what: "the restarted agent in stack.json",
-    });
+    // stack.json names the new pid as soon as it is spawned, and its address only once it serves.
+    const restarted = () => {
+      const now = server("agent/counter");
+      return now.pid !== before.pid && now.state === "serving" && now;
+    };
+    const after = await waitFor(restarted, { what: "the restarted agent serving in stack.json" });
     // The kernel may hand the restart the same free port; what matters is that the name follows it.
     assert.equal(await gym.resolve("agent/counter"), after.address);
   });
