@@ -47,6 +47,7 @@ class ServerMetrics:
     def __init__(self, server_name: str) -> None:
         self.registry = CollectorRegistry()
         self.server_name = server_name
+        self._per_method: dict[str, tuple[Any, Any, Any]] = {}
         reg = self.registry
         ProcessCollector(registry=reg)
         self.calls = Counter(
@@ -129,16 +130,25 @@ class ServerMetrics:
 
     # -- observation, called by the guard around every RPC ---------------------------------------
 
+    def _children(self, method: str) -> tuple[Any, Any, Any]:
+        """The method's in-flight gauge, latency histogram and OK counter: `labels()` looked up once."""
+        children = self._per_method.get(method)
+        if children is None:
+            children = (self.inflight.labels(method), self.latency.labels(method), self.calls.labels(method, "OK"))
+            self._per_method[method] = children
+        return children
+
     def started(self, method: str) -> float:
-        self.inflight.labels(method).inc()
+        self._children(method)[0].inc()
         if method in EPISODE_METHODS:
             self.episodes_inflight.inc()
         return time.perf_counter()
 
     def finished(self, method: str, started: float, code: grpc.StatusCode, reason: str = "") -> None:
-        self.latency.labels(method).observe(time.perf_counter() - started)
-        self.inflight.labels(method).dec()
-        self.calls.labels(method, code.name).inc()
+        inflight, latency, ok = self._children(method)
+        latency.observe(time.perf_counter() - started)
+        inflight.dec()
+        (ok if code is grpc.StatusCode.OK else self.calls.labels(method, code.name)).inc()
         if code is not grpc.StatusCode.OK:
             self.errors.labels(method, code.name, reason or "UNSPECIFIED").inc()
         if method in EPISODE_METHODS:
