@@ -151,7 +151,8 @@ class ServerProcess:
         """Spawn the process and return once it is registered and SERVING; StartError otherwise."""
         self.state.state = "starting"
         self.process = await self._spawn()
-        self.state.pid = self.process.pid
+        # The old address is dead with the old process; the new one is published once serving.
+        self.state.pid, self.state.address = self.process.pid, None
         self._on_change()
         await self._wait_serving()
         self.state.state = "serving"
