@@ -4,7 +4,8 @@
 weights from a fixed seed (`model.safetensors`), `generation_config.json`, and gymrpc's own
 tokenizer (`gymrpc/chat/data/tokenizer.json`) wrapped for HF with a jinja chat template that
 renders exactly the text `gymrpc.chat.ChatTemplate` renders. Using our tokenizer is the point:
-the model server templates and tokenizes, so the model's vocabulary must be ours.
+the model server templates and tokenizes, so the model's vocabulary must be ours. A copy of
+the tokenizer alone in `tokenizer/` is what `vllm serve --tokenizer` should load (`TOKENIZER_SUBDIR`).
 
 `train_scripted(src, out, examples)` overfits such a model on token sequences with a loss on
 chosen spans only, until greedy decoding reproduces every target token with a wide margin
@@ -120,14 +121,31 @@ def hf_tokenizer(tokenizer_file: Path = DEFAULT_TOKENIZER) -> Any:
     return tokenizer
 
 
+TOKENIZER_SUBDIR = "tokenizer"
+"""The tokenizer again, alone, for loaders that go through transformers (`vllm serve --tokenizer`).
+
+transformers 5 loads the tokenizer of any `qwen2` model folder as `Qwen2Tokenizer`, whose
+pre-tokenizer (digits one by one) replaces the one in `tokenizer.json`, so ` 1` would no longer
+be the one token the model was trained on. From a folder without `config.json` it loads
+`tokenizer.json` as written.
+"""
+
+
+def save_tokenizer(out: Path) -> Any:
+    """Write our HF tokenizer into the model folder `out` and into `out/tokenizer`; returns it."""
+    tokenizer = hf_tokenizer()
+    tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out / TOKENIZER_SUBDIR)
+    return tokenizer
+
+
 def build_tiny_model(out: Path, *, seed: int = 0, shape: TinyShape = TinyShape()) -> Path:
     """Write a random-weight Qwen2 model directory to `out` (created); returns `out`."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = hf_tokenizer()
-    tokenizer.save_pretrained(out)
+    tokenizer = save_tokenizer(out)
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     config = Qwen2Config(
         vocab_size=(len(tokenizer) + 63) // 64 * 64,
@@ -201,7 +219,7 @@ def train_scripted(
     model, steps, loss, prob = result
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    hf_tokenizer().save_pretrained(out)
+    save_tokenizer(out)
     return TrainResult(steps, loss, prob, time.monotonic() - started)
 
 

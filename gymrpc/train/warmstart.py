@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gymrpc.testing.tiny_model import Example, build_tiny_model, hf_tokenizer
+from gymrpc.testing.tiny_model import Example, build_tiny_model, save_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def build_weak_start(
         model, loss = _fit(Path(tmp), mixture(rows, recipe.correct), recipe)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    hf_tokenizer().save_pretrained(out)
+    save_tokenizer(out)
     result = StartResult(recipe.steps, loss, time.monotonic() - started)
     info = {"recipe": recipe.__dict__, "tasks": len(rows), "loss": loss}
     (out / START_INFO).write_text(json.dumps(info, indent=1) + "\n")

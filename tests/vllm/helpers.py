@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from gymrpc.testing.tiny_model import TOKENIZER_SUBDIR
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 """No hub access, and a 1 GiB KV cache (vLLM's CPU default sizes it from free RAM)."""
@@ -161,6 +163,8 @@ class OpenAIServer:
             "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--enable-prefix-caching",
             *extra_args,
         ]  # fmt: skip
+        if (model / TOKENIZER_SUBDIR).is_dir():  # the tokenizer as the model was trained with it
+            argv += ["--tokenizer", str(model / TOKENIZER_SUBDIR)]
         self.log_path = log
         self.log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}

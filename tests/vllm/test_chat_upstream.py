@@ -7,12 +7,10 @@ The backend must find that out by itself (mode auto -> chat) and play a counter 
 vLLM's chat route, streamed and whole, its replies re-tokenised here, with vLLM's logprobs kept
 as the sampler's (asserted present and finite for every reply).
 
-The reward is recorded, not asserted: the counter model scores 1 in tokens mode, but through
-vLLM's chat route it scores 0. vLLM tokenises the rendered prompt with transformers 5, which
-loads any qwen2 model's tokenizer as `Qwen2Tokenizer` and so splits digits one by one, while the
-tiny tokenizer the model was trained with keeps ` 1` whole: the first user message already
-differs (`add 1` is two tokens there, one here), and the model answers `{"name": ...}` without
-its opening `<tool_call>`, which vLLM's hermes parser then misreads.
+The counter model must score 1 through vLLM's chat route as it does in tokens mode. That needs
+vLLM to tokenise the rendered prompt as the model was trained: the server loads the tokenizer from
+the model folder's `tokenizer/` copy (`tests/vllm/helpers.py`), since transformers 5 loads the
+tokenizer of any qwen2 model folder as `Qwen2Tokenizer`, splitting digits one by one.
 """
 
 from __future__ import annotations
@@ -133,5 +131,5 @@ def test_chat_only_vllm_is_detected_and_plays_a_counter_episode(
         assert len(reply.tokens.sampler_tokens) == len(reply.tokens.sampler_logprobs)
         assert all(math.isfinite(x) and x <= 0 for x in reply.tokens.sampler_logprobs)
     said = [tokenizer.decode(list(r.tokens.completion_token_ids)) for r in episode.replies]
-    print(f"chat mode ({'streamed' if stream else 'whole'}) reward {episode.reward}: {said}")
+    assert episode.reward == 1.0, f"chat mode ({'streamed' if stream else 'whole'}) said {said}"
     assert chat_only.paths.count("/v1/chat/completions") == 1 + len(episode.replies)  # the probe, then each call
