@@ -120,24 +120,47 @@ export class Controller {
    * @returns {Promise<Map<string, object>>} the manifest each participant wrote
    */
   async commit(checkpointId, options) {
-    return (await this.#commit(checkpointId, options)).manifests;
+    const captured = await this.#capture(checkpointId, options);
+    return (await this.#publish(captured, options.deadlineMs ?? defaultDeadline())).manifests;
   }
 
-  async #commit(checkpointId, { checkpointDir, episodeIds, deadlineMs = defaultDeadline(), stop = false }) {
+  /**
+   * Commit every member at once. With `background`, each member replies once its state is captured
+   * in memory (`persisting`) and writes afterwards, so a resume may follow at once.
+   */
+  async #capture(
+    checkpointId,
+    { checkpointDir, episodeIds, deadlineMs = defaultDeadline(), stop = false, background = false },
+  ) {
     const request = {
       checkpointId,
       checkpointDir: path.resolve(checkpointDir),
       episodeIds: episodeIds ?? [],
       explicitScope: episodeIds !== undefined,
       stop,
+      persistInBackground: background,
       deadline: timestampFromMs(deadlineMs),
     };
     const replies = await this.#all("commit", this.participants, (stub) =>
       stub.commit(request, callOptions(deadlineMs)),
     );
-    const manifests = new Map([...replies].map(([label, reply]) => [label, reply.manifest]));
+    return { checkpointId, checkpointDir: request.checkpointDir, replies };
+  }
+
+  /**
+   * Wait for the write of every member that answered `persisting` (`Persist`), then write the
+   * index: only a checkpoint every member persisted is published. A member restarted since its
+   * capture answers CHECKPOINT_INCOMPLETE, and nothing is indexed.
+   */
+  async #publish({ checkpointId, checkpointDir, replies }, deadlineMs) {
+    const waiting = this.participants.filter((p) => replies.get(p.label).persisting);
+    const request = { checkpointId, deadline: timestampFromMs(deadlineMs) };
+    const persisted = await this.#all("persist", waiting, (stub) => stub.persist(request, callOptions(deadlineMs)));
+    const manifests = new Map(
+      this.participants.map((p) => [p.label, (persisted.get(p.label) ?? replies.get(p.label)).manifest]),
+    );
     const index = writeIndex(
-      request.checkpointDir,
+      checkpointDir,
       checkpointId,
       this.participants.map((p) => manifests.get(p.label)),
     );
@@ -250,10 +273,15 @@ export class Controller {
    * participant can only restart are left out of the commit (`restarted`). Not prepared by
    * the deadline: aborted, returned with `committed` false and the blockers in `prepare`.
    * Any failure: aborted, and raised.
+   *
+   * `nonstop` (default; not with `stop`): the commit only captures each member's state, the
+   * episodes resume at once, and the index is written once every member persisted its records.
+   * A publish that fails raises after the resume; the folder has no index and is never
+   * restored. `nonstop: false`: the episodes stay parked until every member has written.
    */
   async checkpoint(
     root,
-    { episodeIds, checkpointId = newCheckpointId(), timeoutMs = DEFAULT_TIMEOUT_MS, stop = false } = {},
+    { episodeIds, checkpointId = newCheckpointId(), timeoutMs = DEFAULT_TIMEOUT_MS, stop = false, nonstop = true } = {},
   ) {
     const result = {
       checkpointId,
@@ -269,6 +297,8 @@ export class Controller {
         return this.manifests.size > 0 && this.index !== undefined;
       },
     };
+    const background = nonstop && !stop;
+    let resumed = false;
     try {
       result.prepare = await this.prepare(checkpointId, { deadlineMs: Date.now() + timeoutMs });
       if (result.prepare.prepared) {
@@ -277,22 +307,28 @@ export class Controller {
           result.continued = episodeIds.filter((e) => !restarts.has(key(e)));
           result.restarted = episodeIds.filter((e) => restarts.has(key(e)));
         }
-        ({ manifests: result.manifests, index: result.index } = await this.#commit(checkpointId, {
+        const deadlineMs = Date.now() + timeoutMs;
+        const captured = await this.#capture(checkpointId, {
           checkpointDir: result.checkpointDir,
           episodeIds: episodeIds === undefined ? undefined : result.continued,
-          deadlineMs: Date.now() + timeoutMs,
+          deadlineMs,
           stop,
-        }));
+          background,
+        });
+        if (background) {
+          resumed = true; // the capture is all the episodes waited for
+          await this.resume(checkpointId);
+        }
+        ({ manifests: result.manifests, index: result.index } = await this.#publish(captured, deadlineMs));
       }
     } catch (err) {
-      await this.resume(checkpointId).catch(() => {}); // unreachable ones abort when their lease runs out
+      if (!resumed) await this.resume(checkpointId).catch(() => {}); // unreachable ones abort when their lease runs out
       throw err;
     }
-    if (!(stop && result.committed)) await this.resume(checkpointId);
+    if (!resumed && !(stop && result.committed)) await this.resume(checkpointId);
     return result;
   }
 
-  /** Run `call(stub, member)` on each member at once; all replies by label, or a CoordinationError. */
   async #all(operation, participants, call) {
     const { replies, failures } = await fanOut(participants, (p) => call(stub(this.client, p), p));
     if (failures.size) throw new CoordinationError(operation, failures);

@@ -37,10 +37,19 @@ const newRoot = () => path.join(ROOT, `root-${folders++}`);
 /**
  * A GymClient stand-in: every participant (replica) records its calls by label; `fail[op][label]`
  * makes one throw; `replicas[name]` registers that many replicas of a name. A commit writes the
- * manifest file, as a participant does.
+ * manifest file, as a participant does; with `background`, a commit asked to persist in the
+ * background only captures (`persisting`), and `Persist` writes it.
  */
-function fakeClient({ fail = {}, prepared = () => true, restarts = [], extra = {}, replicas = {} } = {}) {
+function fakeClient({
+  fail = {},
+  prepared = () => true,
+  restarts = [],
+  extra = {},
+  replicas = {},
+  background = false,
+} = {}) {
   const calls = [];
+  const captures = new Map(); // label -> the commit request a background commit captured
   const kinds = { ...STACK, ...extra };
   const count = (name) => replicas[name] ?? 1;
   const stub = (name, endpointId = "0") => {
@@ -52,7 +61,7 @@ function fakeClient({ fail = {}, prepared = () => true, restarts = [], extra = {
     };
     const report = { blockers: [], restarts, blockerCount: 0, counts: {} };
     const phase = prepared(name) ? Phase.PREPARED : Phase.PREPARING;
-    const commit = (request) => {
+    const write = (request) => {
       const manifest = create(CheckpointManifestSchema, {
         checkpointId: request.checkpointId,
         kind: kinds[name],
@@ -63,12 +72,25 @@ function fakeClient({ fail = {}, prepared = () => true, restarts = [], extra = {
       const file = path.join(request.checkpointDir, manifestPath(kinds[name], name, endpointId));
       mkdirSync(path.dirname(file), { recursive: true });
       writeFileSync(file, JSON.stringify(toJson(CheckpointManifestSchema, manifest)));
-      return { phase: Phase.COMMITTED, manifest };
+      return manifest;
+    };
+    const commit = (request) => {
+      if (background && request.persistInBackground) {
+        captures.set(label, request);
+        return { phase: Phase.COMMITTED, persisting: true };
+      }
+      return { phase: Phase.COMMITTED, manifest: write(request) };
+    };
+    const persist = (request) => {
+      const captured = captures.get(label);
+      assert.equal(request.checkpointId, captured?.checkpointId, "persist of a checkpoint never captured here");
+      return { manifest: write(captured) };
     };
     return {
       getStatus: call("status", { kind: kinds[name], phase: Phase.IDLE }),
       prepare: call("prepare", { phase, report }),
       commit: call("commit", commit),
+      persist: call("persist", persist),
       resume: call("resume", { phase: Phase.IDLE }),
       restore: call("restore", { phase: Phase.RESTORED, restored: [] }),
       retire: call("retire", { retired: [] }),
@@ -178,6 +200,47 @@ test("a checkpoint commits the episodes that can continue into <root>/<id>, inde
     ],
   );
   assert.equal(readIndex(result.checkpointDir).members.length, 4);
+});
+
+test("a non-stop checkpoint resumes right after the capture, then persists and indexes", async () => {
+  const client = fakeClient({ background: true });
+  const controller = await Controller.discover(client);
+  const result = await controller.checkpoint(newRoot(), { checkpointId: "c1" });
+  assert.ok(result.committed);
+  assert.ok([...requests(client.calls, "commit").values()].every((r) => r.persistInBackground));
+  const ops = client.calls.map(([op]) => op).filter((op) => op !== "status" && op !== "prepare");
+  assert.deepEqual([...new Set(ops)], ["commit", "resume", "persist"]); // parked for the capture only
+  assert.equal(ops.lastIndexOf("resume") < ops.indexOf("persist"), true);
+  assert.equal(readIndex(result.checkpointDir).members.length, 4);
+  assert.deepEqual(
+    [...result.manifests.values()].map((m) => m.name),
+    ["model/policy", "agent/counter", "resources/blackjack", "resources/counter"],
+  );
+});
+
+test("a non-stop checkpoint whose persist fails is resumed, raises, and is never indexed", async () => {
+  const client = fakeClient({ background: true, fail: { persist: { "resources/counter": Code.FailedPrecondition } } });
+  const controller = await Controller.discover(client);
+  const root = newRoot();
+  await assert.rejects(controller.checkpoint(root, { checkpointId: "c1" }), (err) => {
+    assert.ok(err instanceof CoordinationError);
+    assert.deepEqual([...err.failures.keys()], ["resources/counter"]);
+    return true;
+  });
+  assert.equal(order(client.calls, "resume").length, 4); // once, after the capture, not again
+  assert.ok(!existsSync(path.join(root, "c1", INDEX)));
+});
+
+test("with nonstop false or stop, the commit writes before anyone resumes", async () => {
+  for (const options of [{ nonstop: false }, { stop: true }]) {
+    const client = fakeClient({ background: true });
+    const controller = await Controller.discover(client);
+    const result = await controller.checkpoint(newRoot(), { checkpointId: "c1", ...options });
+    assert.ok(result.committed, JSON.stringify(options));
+    assert.ok([...requests(client.calls, "commit").values()].every((r) => !r.persistInBackground));
+    assert.deepEqual(order(client.calls, "persist"), []);
+    assert.equal(order(client.calls, "resume").length, options.stop ? 0 : 4);
+  }
 });
 
 test("a commit that fails on one replica leaves no index, and a restore refuses the folder", async () => {
