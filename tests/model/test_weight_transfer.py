@@ -11,6 +11,7 @@ checkpoint conflict, the token), not a transfer.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from pathlib import Path
@@ -217,5 +218,33 @@ def test_a_transfer_update_with_generations_in_flight_follows_its_mode(
             for _, final in results:
                 versions = [s.weight_version for s in final.weight_versions]
                 assert versions == (["scripted:0"] if mode == "drain" else ["scripted:0", "it:1"])
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("weight_transfer", ["path", "stream"])
+def test_the_reference_trainer_pushes_by_the_weight_transfer_it_is_given(
+    start_stack: Any, run_dir: Path, weight_transfer: str
+) -> None:
+    """`gymrpc train run --weight-transfer path|stream` (nccl needs CUDA: tests/vllm/test_weight_transfer.py)."""
+    from gymrpc.train.command import add_arguments
+    from gymrpc.train.loop import TrainConfig, Trainer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["run", "--out", "o", "--weight-transfer", weight_transfer])
+    assert args.weight_transfer == weight_transfer
+    assert parser.parse_args(["run", "--out", "o"]).weight_transfer == "path"  # the default is unchanged
+    start_stack(config(weights_folder(run_dir, "w0"), simulate=False))
+    folder = weights_folder(run_dir, "pushed")
+    config_ = TrainConfig(out=run_dir / "out", model=MODEL, weight_transfer=weight_transfer)
+
+    async def scenario() -> None:
+        async with Client(run_dir=run_dir) as client:
+            trainer = Trainer(config_, client, policy=None, tasks=[])
+            reply = await trainer._update(folder, "grpo:1")
+            assert (reply.weight_version, reply.tensor_count) == ("grpo:1", 2)
+            await trainer.close()
+            assert await get_weights(client, MODEL) == "grpo:1"
 
     asyncio.run(scenario())
