@@ -446,8 +446,10 @@ class WeightTransfer:
             offset += max(1, state.transfer_workers)
         transfer._world_size = offset
         if any(s.transfer_unavailable for s in states):
-            # The servers say why (UNIMPLEMENTED with its reason); nothing is opened on this side.
+            # The servers say why (UNIMPLEMENTED with its reason, checked before any other field);
+            # nothing is opened on this side.
             await init_transfer(client, name, engine=engine, rank_offsets=transfer._offsets, timeout=timeout)
+            raise RuntimeError(f"{name} cannot open a weight transfer: {[s.transfer_unavailable for s in states]}")
         if master_port == 0:
             master_port = _free_port(master_address)
         transfer._init = {"master_address": master_address, "master_port": master_port, "timeout": timeout}

@@ -66,6 +66,8 @@ def test_a_backend_without_a_transfer_engine_refuses_with_unimplemented_naming_w
             assert caught.value.reason == "WEIGHT_TRANSFER_UNSUPPORTED"
             assert caught.value.metadata["missing"] == "weight_transfer_engine"
             assert "--backend vllm on CUDA GPUs" in caught.value.message
+            with pytest.raises(Unimplemented):  # what is missing comes before how the fields were filled
+                await init_transfer(client, MODEL, engine="nccl")
             with pytest.raises(Unimplemented) as caught:
                 await transfer_update(client, MODEL, metadata(), weight_version="it:1")
             assert caught.value.reason == "WEIGHT_TRANSFER_UNSUPPORTED"

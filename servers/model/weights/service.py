@@ -134,9 +134,10 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
         self, request: pb.InitWeightTransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.InitWeightTransferResponse:
         check_request_id(request.request_id)
+        engine = transfer.engine_name(request.engine, "engine")
+        if (why := self.switch.transfer_unsupported(engine)) is not None:
+            raise why  # before the other fields: what is missing matters more than how they were filled
         init = transfer.check_init(request)
-        if (why := self.switch.transfer_unsupported(init.engine)) is not None:
-            raise why
         transfer.check_workers(init, self.switch.transfer_engine()[1])
 
         async def work() -> pb.InitWeightTransferResponse:
