@@ -62,6 +62,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-lag", type=int, choices=(0, 1), default=1, help="1: the next batch runs during the step (default)"
     )
     run.add_argument("--update-mode", choices=("keep", "cut", "drain"), default="keep")
+    run.add_argument(
+        "--weight-transfer",
+        choices=("path", "stream", "nccl"),
+        default="path",
+        help="how pushed weights reach the model server: path (it reads the saved folder; the default), stream "
+        "(the files over gRPC), nccl (the tensors through vLLM's NCCL engine: CUDA, and a model server started "
+        "with --weight-transfer nccl)",
+    )
+    run.add_argument(
+        "--transfer-address",
+        default="127.0.0.1",
+        help="nccl: this trainer's address, which the model server's workers reach (default %(default)s)",
+    )
     run.add_argument("--checkpoint-every", type=int, default=0, help="iterations between joint checkpoints (0: off)")
     run.add_argument("--keep-checkpoints", type=_positive, default=2)
     run.add_argument("--agent", default="agent/simple")
@@ -101,6 +114,8 @@ def cmd_run(args: argparse.Namespace, run_dir: Path | None = None) -> int:
         max_steps=args.max_steps,
         max_lag=args.max_lag,
         update_mode=args.update_mode,
+        weight_transfer=args.weight_transfer,
+        transfer_address=args.transfer_address,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
         target_reward=args.target_reward,
@@ -140,6 +155,8 @@ async def _run(args: argparse.Namespace, config: TrainConfig, tasks: list[Rollou
         except StateError as exc:
             print(f"gymrpc train run: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        finally:
+            await trainer.close()
     state = outcome.state
     if state.metrics and not args.no_plot:
         from gymrpc.train.plot import reward_curve

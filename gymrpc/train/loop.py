@@ -90,6 +90,13 @@ class TrainConfig:
     max_lag: int = 1
     """1: the next batch runs while the step is taken and the weights pushed; 0: strictly on-policy."""
     update_mode: str = "keep"
+    weight_transfer: str = "path"
+    """How pushed weights reach the model server: `path` (it reads the saved folder), `stream` (the
+    folder's files over gRPC) or `nccl` (the model's tensors through vLLM's NCCL weight-transfer
+    engine, `gymrpc.weights.WeightTransfer`: GPU only, the model server started with
+    `--weight-transfer nccl`)."""
+    transfer_address: str = "127.0.0.1"
+    """`nccl`: the address of this trainer the model server's workers reach for the rendezvous."""
     checkpoint_every: int = 0
     """Iterations between joint checkpoints; 0: none."""
     keep_checkpoints: int = 2
@@ -199,6 +206,8 @@ class Trainer:
         self.process_nonce = secrets.token_hex(4)
         """In every push's request id: a retry of a push is idempotent, while a push by a resumed or
         another trainer (same version name, maybe other weights) never collides with an old one."""
+        self.transfer: Any = None
+        """`weight_transfer="nccl"`: the group with the model server, opened at the first push."""
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -258,17 +267,34 @@ class Trainer:
         return time.monotonic() - started, int(getattr(reply, "generations_kept", 0))
 
     async def _update(self, folder: Path, version: str) -> Any:
-        from gymrpc.weights import update_weights
+        """Push the weights: the folder (`path`, `stream`), or the policy's tensors, which are the folder's (`nccl`)."""
+        from gymrpc.weights import WeightTransfer, update_weights
 
+        request_id = f"train-{self.process_nonce}-{version}"
+        if self.config.weight_transfer == "nccl":
+            if self.transfer is None:
+                self.transfer = await WeightTransfer.open(
+                    self.client, self.config.model, master_address=self.config.transfer_address
+                )
+            mode = self.config.update_mode
+            return await self.transfer.send(
+                self.policy.model, weight_version=version, mode=mode, request_id=request_id, timeout=300
+            )
+        source = {"stream_from": folder} if self.config.weight_transfer == "stream" else {"path": str(folder)}
         return await update_weights(
             self.client,
             self.config.model,
             weight_version=version,
-            path=str(folder),  # under `out`, which is absolute
             mode=self.config.update_mode,
-            request_id=f"train-{self.process_nonce}-{version}",
+            request_id=request_id,
             timeout=300,
+            **source,  # `folder` is under `out`, which is absolute
         )
+
+    async def close(self) -> None:
+        if self.transfer is not None:
+            transfer, self.transfer = self.transfer, None
+            await transfer.close()
 
     # -- batches -------------------------------------------------------------------------------
 

@@ -186,6 +186,21 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     server restarting (that one answers NOT_FOUND LEASE_EXPIRED and comes
     back). Code UNAVAILABLE.
     """
+    ERROR_REASON_WEIGHT_TRANSFER_NEEDS_CUDA: _ErrorReason.ValueType  # 54
+    """A weight-transfer engine (NCCL, CUDA IPC) needs CUDA GPUs and this
+    model server has none (vLLM on the CPU). Update by path or upload
+    instead. Code UNIMPLEMENTED.
+    """
+    ERROR_REASON_WEIGHT_TRANSFER_UNSUPPORTED: _ErrorReason.ValueType  # 55
+    """This model server's backend has no weight-transfer engine, or was not
+    started with the one asked for; the message names what is missing.
+    Code UNIMPLEMENTED.
+    """
+    ERROR_REASON_WEIGHT_TRANSFER_NOT_INITIALIZED: _ErrorReason.ValueType  # 56
+    """An update through a weight-transfer engine came before
+    `InitWeightTransfer` opened that engine (or after the server
+    restarted). Code FAILED_PRECONDITION.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -360,5 +375,20 @@ ERROR_REASON_REGISTRY_UNAVAILABLE: ErrorReason.ValueType  # 53
 """The registry itself does not answer: the whole stack is gone, not one
 server restarting (that one answers NOT_FOUND LEASE_EXPIRED and comes
 back). Code UNAVAILABLE.
+"""
+ERROR_REASON_WEIGHT_TRANSFER_NEEDS_CUDA: ErrorReason.ValueType  # 54
+"""A weight-transfer engine (NCCL, CUDA IPC) needs CUDA GPUs and this
+model server has none (vLLM on the CPU). Update by path or upload
+instead. Code UNIMPLEMENTED.
+"""
+ERROR_REASON_WEIGHT_TRANSFER_UNSUPPORTED: ErrorReason.ValueType  # 55
+"""This model server's backend has no weight-transfer engine, or was not
+started with the one asked for; the message names what is missing.
+Code UNIMPLEMENTED.
+"""
+ERROR_REASON_WEIGHT_TRANSFER_NOT_INITIALIZED: ErrorReason.ValueType  # 56
+"""An update through a weight-transfer engine came before
+`InitWeightTransfer` opened that engine (or after the server
+restarted). Code FAILED_PRECONDITION.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgymrpc/v1/weights_service.proto\x12\tgymrpc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"{\n\x14UpdateWeightsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12)\n\x04mode\x18\x04 \x01(\x0e\x32\x1b.gymrpc.v1.WeightUpdateMode\"z\n\x14UploadWeightsRequest\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.gymrpc.v1.UploadWeightsHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.gymrpc.v1.WeightsChunkH\x00\x42\x06\n\x04part\"\x93\x01\n\x13UploadWeightsHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\x12)\n\x04mode\x18\x03 \x01(\x0e\x32\x1b.gymrpc.v1.WeightUpdateMode\x12%\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x16.gymrpc.v1.WeightsFile\"?\n\x0bWeightsFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"@\n\x0cWeightsChunk\x12\x12\n\nfile_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc1\x03\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\x12\x1f\n\x17previous_weight_version\x18\x02 \x01(\t\x12\x31\n\x0epause_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10generations_kept\x18\x04 \x01(\r\x12\x17\n\x0fgenerations_cut\x18\x05 \x01(\r\x12\x1b\n\x13generations_drained\x18\x06 \x01(\r\x12\x19\n\x11tokens_recomputed\x18\x07 \x01(\x04\x12\x17\n\x0f\x61lready_applied\x18\x08 \x01(\x08\x12)\n\x04mode\x18\t \x01(\x0e\x32\x1b.gymrpc.v1.WeightUpdateMode\x12\x14\n\x0ctensor_count\x18\n \x01(\r\x12\x12\n\nsize_bytes\x18\x0b \x01(\x04\x12\x30\n\rload_duration\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0estage_duration\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\"\x13\n\x11GetWeightsRequest\"\xb0\x01\n\x12GetWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\x12\x14\n\x0cupdate_count\x18\x02 \x01(\r\x12/\n\x0bupdate_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\tupdatable\x18\x05 \x01(\x08\x12\x17\n\x0frecent_versions\x18\x06 \x03(\t*\x8d\x01\n\x10WeightUpdateMode\x12\"\n\x1eWEIGHT_UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WEIGHT_UPDATE_MODE_KEEP\x10\x01\x12\x1a\n\x16WEIGHT_UPDATE_MODE_CUT\x10\x02\x12\x1c\n\x18WEIGHT_UPDATE_MODE_DRAIN\x10\x03\x32\x94\x02\n\x0eWeightsService\x12W\n\rUpdateWeights\x12\x1f.gymrpc.v1.UpdateWeightsRequest\x1a .gymrpc.v1.UpdateWeightsResponse\"\x03\x90\x02\x02\x12Y\n\rUploadWeights\x12\x1f.gymrpc.v1.UploadWeightsRequest\x1a .gymrpc.v1.UpdateWeightsResponse\"\x03\x90\x02\x02(\x01\x12N\n\nGetWeights\x12\x1c.gymrpc.v1.GetWeightsRequest\x1a\x1d.gymrpc.v1.GetWeightsResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgymrpc/v1/weights_service.proto\x12\tgymrpc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xac\x01\n\x14UpdateWeightsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12)\n\x04mode\x18\x04 \x01(\x0e\x32\x1b.gymrpc.v1.WeightUpdateMode\x12/\n\x08transfer\x18\x05 \x01(\x0b\x32\x1d.gymrpc.v1.TransferredWeights\"\xa5\x01\n\x12TransferredWeights\x12/\n\x06\x65ngine\x18\x01 \x01(\x0e\x32\x1f.gymrpc.v1.WeightTransferEngine\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.gymrpc.v1.TensorMetadata\x12\x1b\n\x13ipc_handles_pickled\x18\x03 \x01(\x0c\x12\x15\n\rvalidate_only\x18\x04 \x01(\x08\"<\n\x0eTensorMetadata\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\"\x84\x02\n\x19InitWeightTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x06\x65ngine\x18\x02 \x01(\x0e\x32\x1f.gymrpc.v1.WeightTransferEngine\x12\x16\n\x0emaster_address\x18\x03 \x01(\t\x12\x13\n\x0bmaster_port\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x13\n\x0brank_offset\x18\x06 \x01(\r\x12\x0e\n\x06packed\x18\x07 \x01(\x08\x12 \n\x18packed_buffer_size_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12packed_num_buffers\x18\t \x01(\r\"w\n\x1aInitWeightTransferResponse\x12/\n\x06\x65ngine\x18\x01 \x01(\x0e\x32\x1f.gymrpc.v1.WeightTransferEngine\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x17\n\x0f\x61lready_applied\x18\x03 \x01(\x08\"z\n\x14UploadWeightsRequest\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.gymrpc.v1.UploadWeightsHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.gymrpc.v1.WeightsChunkH\x00\x42\x06\n\x04part\"\x93\x01\n\x13UploadWeightsHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\x12)\n\x04mode\x18\x03 \x01(\x0e\x32\x1b.gymrpc.v1.WeightUpdateMode\x12%\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x16.gymrpc.v1.WeightsFile\"?\n\x0bWeightsFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"@\n\x0cWeightsChunk\x12\x12\n\nfile_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc1\x03\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\x12\x1f\n\x17previous_weight_version\x18\x02 \x01(\t\x12\x31\n\x0epause_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10generations_kept\x18\x04 \x01(\r\x12\x17\n\x0fgenerations_cut\x18\x05 \x01(\r\x12\x1b\n\x13generations_drained\x18\x06 \x01(\r\x12\x19\n\x11tokens_recomputed\x18\x07 \x01(\x04\x12\x17\n\x0f\x61lready_applied\x18\x08 \x01(\x08\x12)\n\x04mode\x18\t \x01(\x0e\x32\x1b.gymrpc.v1.WeightUpdateMode\x12\x14\n\x0ctensor_count\x18\n \x01(\r\x12\x12\n\nsize_bytes\x18\x0b \x01(\x04\x12\x30\n\rload_duration\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0estage_duration\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\"\x13\n\x11GetWeightsRequest\"\xa2\x02\n\x12GetWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\t\x12\x14\n\x0cupdate_count\x18\x02 \x01(\r\x12/\n\x0bupdate_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\tupdatable\x18\x05 \x01(\x08\x12\x17\n\x0frecent_versions\x18\x06 \x03(\t\x12\x38\n\x0ftransfer_engine\x18\x07 \x01(\x0e\x32\x1f.gymrpc.v1.WeightTransferEngine\x12\x18\n\x10transfer_workers\x18\x08 \x01(\r\x12\x1c\n\x14transfer_unavailable\x18\t \x01(\t*\x8d\x01\n\x10WeightUpdateMode\x12\"\n\x1eWEIGHT_UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WEIGHT_UPDATE_MODE_KEEP\x10\x01\x12\x1a\n\x16WEIGHT_UPDATE_MODE_CUT\x10\x02\x12\x1c\n\x18WEIGHT_UPDATE_MODE_DRAIN\x10\x03*\x7f\n\x14WeightTransferEngine\x12&\n\"WEIGHT_TRANSFER_ENGINE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bWEIGHT_TRANSFER_ENGINE_NCCL\x10\x01\x12\x1e\n\x1aWEIGHT_TRANSFER_ENGINE_IPC\x10\x02\x32\xfc\x02\n\x0eWeightsService\x12W\n\rUpdateWeights\x12\x1f.gymrpc.v1.UpdateWeightsRequest\x1a .gymrpc.v1.UpdateWeightsResponse\"\x03\x90\x02\x02\x12Y\n\rUploadWeights\x12\x1f.gymrpc.v1.UploadWeightsRequest\x1a .gymrpc.v1.UpdateWeightsResponse\"\x03\x90\x02\x02(\x01\x12\x66\n\x12InitWeightTransfer\x12$.gymrpc.v1.InitWeightTransferRequest\x1a%.gymrpc.v1.InitWeightTransferResponse\"\x03\x90\x02\x02\x12N\n\nGetWeights\x12\x1c.gymrpc.v1.GetWeightsRequest\x1a\x1d.gymrpc.v1.GetWeightsResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,26 +37,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WEIGHTSSERVICE'].methods_by_name['UpdateWeights']._serialized_options = b'\220\002\002'
   _globals['_WEIGHTSSERVICE'].methods_by_name['UploadWeights']._loaded_options = None
   _globals['_WEIGHTSSERVICE'].methods_by_name['UploadWeights']._serialized_options = b'\220\002\002'
+  _globals['_WEIGHTSSERVICE'].methods_by_name['InitWeightTransfer']._loaded_options = None
+  _globals['_WEIGHTSSERVICE'].methods_by_name['InitWeightTransfer']._serialized_options = b'\220\002\002'
   _globals['_WEIGHTSSERVICE'].methods_by_name['GetWeights']._loaded_options = None
   _globals['_WEIGHTSSERVICE'].methods_by_name['GetWeights']._serialized_options = b'\220\002\001'
-  _globals['_WEIGHTUPDATEMODE']._serialized_start=1294
-  _globals['_WEIGHTUPDATEMODE']._serialized_end=1435
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=111
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=234
-  _globals['_UPLOADWEIGHTSREQUEST']._serialized_start=236
-  _globals['_UPLOADWEIGHTSREQUEST']._serialized_end=358
-  _globals['_UPLOADWEIGHTSHEADER']._serialized_start=361
-  _globals['_UPLOADWEIGHTSHEADER']._serialized_end=508
-  _globals['_WEIGHTSFILE']._serialized_start=510
-  _globals['_WEIGHTSFILE']._serialized_end=573
-  _globals['_WEIGHTSCHUNK']._serialized_start=575
-  _globals['_WEIGHTSCHUNK']._serialized_end=639
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=642
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1091
-  _globals['_GETWEIGHTSREQUEST']._serialized_start=1093
-  _globals['_GETWEIGHTSREQUEST']._serialized_end=1112
-  _globals['_GETWEIGHTSRESPONSE']._serialized_start=1115
-  _globals['_GETWEIGHTSRESPONSE']._serialized_end=1291
-  _globals['_WEIGHTSSERVICE']._serialized_start=1438
-  _globals['_WEIGHTSSERVICE']._serialized_end=1714
+  _globals['_WEIGHTUPDATEMODE']._serialized_start=2072
+  _globals['_WEIGHTUPDATEMODE']._serialized_end=2213
+  _globals['_WEIGHTTRANSFERENGINE']._serialized_start=2215
+  _globals['_WEIGHTTRANSFERENGINE']._serialized_end=2342
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=112
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=284
+  _globals['_TRANSFERREDWEIGHTS']._serialized_start=287
+  _globals['_TRANSFERREDWEIGHTS']._serialized_end=452
+  _globals['_TENSORMETADATA']._serialized_start=454
+  _globals['_TENSORMETADATA']._serialized_end=514
+  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_start=517
+  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_end=777
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_start=779
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_end=898
+  _globals['_UPLOADWEIGHTSREQUEST']._serialized_start=900
+  _globals['_UPLOADWEIGHTSREQUEST']._serialized_end=1022
+  _globals['_UPLOADWEIGHTSHEADER']._serialized_start=1025
+  _globals['_UPLOADWEIGHTSHEADER']._serialized_end=1172
+  _globals['_WEIGHTSFILE']._serialized_start=1174
+  _globals['_WEIGHTSFILE']._serialized_end=1237
+  _globals['_WEIGHTSCHUNK']._serialized_start=1239
+  _globals['_WEIGHTSCHUNK']._serialized_end=1303
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1306
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1755
+  _globals['_GETWEIGHTSREQUEST']._serialized_start=1757
+  _globals['_GETWEIGHTSREQUEST']._serialized_end=1776
+  _globals['_GETWEIGHTSRESPONSE']._serialized_start=1779
+  _globals['_GETWEIGHTSRESPONSE']._serialized_end=2069
+  _globals['_WEIGHTSSERVICE']._serialized_start=2345
+  _globals['_WEIGHTSSERVICE']._serialized_end=2725
 # @@protoc_insertion_point(module_scope)

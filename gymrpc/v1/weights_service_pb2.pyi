@@ -63,6 +63,42 @@ weights, then load; admission reopens after the load.
 """
 Global___WeightUpdateMode: _TypeAlias = WeightUpdateMode  # noqa: Y015
 
+class _WeightTransferEngine:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WeightTransferEngineEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightTransferEngine.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WEIGHT_TRANSFER_ENGINE_UNSPECIFIED: _WeightTransferEngine.ValueType  # 0
+    """No transfer engine."""
+    WEIGHT_TRANSFER_ENGINE_NCCL: _WeightTransferEngine.ValueType  # 1
+    """NCCL broadcast from the trainer (rank 0) to every inference worker;
+    the trainer's GPUs and the server's reach each other over NCCL.
+    """
+    WEIGHT_TRANSFER_ENGINE_IPC: _WeightTransferEngine.ValueType  # 2
+    """CUDA IPC handles of the trainer's tensors, opened by workers on the
+    same host and GPUs. The handles are pickled; vLLM's workers load them
+    only when started with `VLLM_ALLOW_INSECURE_SERIALIZATION=1`.
+    """
+
+class WeightTransferEngine(_WeightTransferEngine, metaclass=_WeightTransferEngineEnumTypeWrapper):
+    """How tensors travel from the trainer to the inference workers, when they
+    do not travel as files.
+    """
+
+WEIGHT_TRANSFER_ENGINE_UNSPECIFIED: WeightTransferEngine.ValueType  # 0
+"""No transfer engine."""
+WEIGHT_TRANSFER_ENGINE_NCCL: WeightTransferEngine.ValueType  # 1
+"""NCCL broadcast from the trainer (rank 0) to every inference worker;
+the trainer's GPUs and the server's reach each other over NCCL.
+"""
+WEIGHT_TRANSFER_ENGINE_IPC: WeightTransferEngine.ValueType  # 2
+"""CUDA IPC handles of the trainer's tensors, opened by workers on the
+same host and GPUs. The handles are pickled; vLLM's workers load them
+only when started with `VLLM_ALLOW_INSECURE_SERIALIZATION=1`.
+"""
+Global___WeightTransferEngine: _TypeAlias = WeightTransferEngine  # noqa: Y015
+
 @_typing.final
 class UpdateWeightsRequest(_message.Message):
     """Request of `WeightsService.UpdateWeights`."""
@@ -73,6 +109,7 @@ class UpdateWeightsRequest(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
+    TRANSFER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """De-duplication key of the update (printable, at most 256 characters)."""
     weight_version: _builtins.str
@@ -81,10 +118,21 @@ class UpdateWeightsRequest(_message.Message):
     """
     path: _builtins.str
     """Absolute path, on the model server's host, of a folder of regular
-    `*.safetensors` files (no symlinks, no subfolders).
+    `*.safetensors` files (no symlinks, no subfolders). Exactly one of
+    `path` and `transfer` is set.
     """
     mode: Global___WeightUpdateMode.ValueType
     """What happens to generations in flight."""
+    @_builtins.property
+    def transfer(self) -> Global___TransferredWeights:
+        """Instead of `path`: the tensors come through the weight-transfer group
+        opened by `InitWeightTransfer`. Their names, dtypes and shapes are
+        checked against the loaded model's exactly as a folder's are, before
+        anything is received; then, inside the pause of `mode`, the server
+        receives and loads them while the trainer sends (for NCCL the trainer
+        broadcasts while this call runs).
+        """
+
     def __init__(
         self,
         *,
@@ -92,14 +140,183 @@ class UpdateWeightsRequest(_message.Message):
         weight_version: _builtins.str = ...,
         path: _builtins.str = ...,
         mode: Global___WeightUpdateMode.ValueType = ...,
+        transfer: Global___TransferredWeights | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "path", b"path", "request_id", b"request_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "path", b"path", "request_id", b"request_id", "transfer", b"transfer", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdateWeightsRequest: _TypeAlias = UpdateWeightsRequest  # noqa: Y015
+
+@_typing.final
+class TransferredWeights(_message.Message):
+    """The tensors of one update through a weight-transfer engine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    IPC_HANDLES_PICKLED_FIELD_NUMBER: _builtins.int
+    VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    engine: Global___WeightTransferEngine.ValueType
+    """The engine the group was opened with."""
+    ipc_handles_pickled: _builtins.bytes
+    """IPC only: the pickled list of per-tensor `{gpu_uuid: rebuild args}`
+    handles that `torch.multiprocessing.reductions.reduce_tensor` makes,
+    passed to the workers unopened (at most 64 MiB).
+    """
+    validate_only: _builtins.bool
+    """Check everything (the request, the engine, the tensors against the
+    loaded model's, no checkpoint open) and answer without receiving
+    anything. The reply names the version serving and counts the tensors;
+    nothing is remembered under `request_id`. A trainer calls this first, so
+    a refusal never leaves its broadcast waiting for receivers.
+    """
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorMetadata]:
+        """Every tensor, in the order the trainer sends them (at most 1,000,000)."""
+
+    def __init__(
+        self,
+        *,
+        engine: Global___WeightTransferEngine.ValueType = ...,
+        tensors: _abc.Iterable[Global___TensorMetadata] | None = ...,
+        ipc_handles_pickled: _builtins.bytes = ...,
+        validate_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "ipc_handles_pickled", b"ipc_handles_pickled", "tensors", b"tensors", "validate_only", b"validate_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferredWeights: _TypeAlias = TransferredWeights  # noqa: Y015
+
+@_typing.final
+class TensorMetadata(_message.Message):
+    """Name, dtype and shape of one tensor, in the model's checkpoint format."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The tensor's name as the model's safetensors files name it."""
+    dtype: _builtins.str
+    """Safetensors dtype name: `F32`, `BF16`, `F16`, `F64`, `I64`, `I32`,
+    `I16`, `I8`, `U8`, `BOOL`, `F8_E4M3`, `F8_E5M2`, `U16`, `U32`, `U64`.
+    """
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Dimensions, outermost first."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorMetadata: _TypeAlias = TensorMetadata  # noqa: Y015
+
+@_typing.final
+class InitWeightTransferRequest(_message.Message):
+    """Request of `WeightsService.InitWeightTransfer`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
+    MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    RANK_OFFSET_FIELD_NUMBER: _builtins.int
+    PACKED_FIELD_NUMBER: _builtins.int
+    PACKED_BUFFER_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    PACKED_NUM_BUFFERS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """De-duplication key (printable, at most 256 characters): a retry with
+    the same id while the rendezvous runs, or after it, gets its reply.
+    """
+    engine: Global___WeightTransferEngine.ValueType
+    """The engine: NCCL or IPC."""
+    master_address: _builtins.str
+    """NCCL: the trainer's rendezvous host (a TCP store it serves as rank 0)."""
+    master_port: _builtins.int
+    """NCCL: the rendezvous port."""
+    world_size: _builtins.int
+    """NCCL: ranks in the group, the trainer's included."""
+    rank_offset: _builtins.int
+    """NCCL: the rank of this server's first worker (at least 1: the trainer
+    is rank 0). Replicas of one name take consecutive ranges.
+    """
+    packed: _builtins.bool
+    """Tensors are batched into buffers (vLLM's packed transfer); NCCL only."""
+    packed_buffer_size_bytes: _builtins.int
+    """Packed buffer size in bytes; 0 for vLLM's default."""
+    packed_num_buffers: _builtins.int
+    """Packed buffers in flight; 0 for vLLM's default."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        engine: Global___WeightTransferEngine.ValueType = ...,
+        master_address: _builtins.str = ...,
+        master_port: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        rank_offset: _builtins.int = ...,
+        packed: _builtins.bool = ...,
+        packed_buffer_size_bytes: _builtins.int = ...,
+        packed_num_buffers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "master_address", b"master_address", "master_port", b"master_port", "packed", b"packed", "packed_buffer_size_bytes", b"packed_buffer_size_bytes", "packed_num_buffers", b"packed_num_buffers", "rank_offset", b"rank_offset", "request_id", b"request_id", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InitWeightTransferRequest: _TypeAlias = InitWeightTransferRequest  # noqa: Y015
+
+@_typing.final
+class InitWeightTransferResponse(_message.Message):
+    """Reply of `WeightsService.InitWeightTransfer`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    ALREADY_APPLIED_FIELD_NUMBER: _builtins.int
+    engine: Global___WeightTransferEngine.ValueType
+    """The engine now open."""
+    workers: _builtins.int
+    """Inference workers of this server in the group (ranks `rank_offset`
+    to `rank_offset + workers - 1`).
+    """
+    already_applied: _builtins.bool
+    """True when this reply is a retry's."""
+    def __init__(
+        self,
+        *,
+        engine: Global___WeightTransferEngine.ValueType = ...,
+        workers: _builtins.int = ...,
+        already_applied: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_applied", b"already_applied", "engine", b"engine", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InitWeightTransferResponse: _TypeAlias = InitWeightTransferResponse  # noqa: Y015
 
 @_typing.final
 class UploadWeightsRequest(_message.Message):
@@ -340,6 +557,9 @@ class GetWeightsResponse(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     UPDATABLE_FIELD_NUMBER: _builtins.int
     RECENT_VERSIONS_FIELD_NUMBER: _builtins.int
+    TRANSFER_ENGINE_FIELD_NUMBER: _builtins.int
+    TRANSFER_WORKERS_FIELD_NUMBER: _builtins.int
+    TRANSFER_UNAVAILABLE_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.str
     """The version serving now."""
     update_count: _builtins.int
@@ -350,6 +570,16 @@ class GetWeightsResponse(_message.Message):
     """Whether this backend takes updates at all; when false, updates fail
     with UNIMPLEMENTED naming what is missing.
     """
+    transfer_engine: Global___WeightTransferEngine.ValueType
+    """The weight-transfer engine this server can open (`InitWeightTransfer`),
+    UNSPECIFIED when it has none (see `transfer_unavailable`).
+    """
+    transfer_workers: _builtins.int
+    """Inference workers that join a transfer group (tensor x pipeline x data
+    parallel size): a trainer sizes the group's `world_size` from it.
+    """
+    transfer_unavailable: _builtins.str
+    """Why this server cannot open a weight-transfer group, when it cannot."""
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp:
         """When the last update was applied; unset before the first."""
@@ -371,10 +601,13 @@ class GetWeightsResponse(_message.Message):
         backend: _builtins.str = ...,
         updatable: _builtins.bool = ...,
         recent_versions: _abc.Iterable[_builtins.str] | None = ...,
+        transfer_engine: Global___WeightTransferEngine.ValueType = ...,
+        transfer_workers: _builtins.int = ...,
+        transfer_unavailable: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "recent_versions", b"recent_versions", "updatable", b"updatable", "update_count", b"update_count", "update_time", b"update_time", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "recent_versions", b"recent_versions", "transfer_engine", b"transfer_engine", "transfer_unavailable", b"transfer_unavailable", "transfer_workers", b"transfer_workers", "updatable", b"updatable", "update_count", b"update_count", "update_time", b"update_time", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -38,6 +38,12 @@ class WeightsServiceStub:
     before anything is swapped, so a refused update leaves the old weights
     serving. An update while a coordinated checkpoint is open is refused with
     `CHECKPOINT_CONFLICT`; a checkpoint prepared during an update waits for it.
+
+    Weights reach the server in one of three ways: a folder it reads
+    (`UpdateWeights.path`), files streamed over the call (`UploadWeights`),
+    or tensors sent by the trainer through the inference engine's own
+    weight-transfer engine (`InitWeightTransfer` once, then
+    `UpdateWeights.transfer`: NCCL broadcast or CUDA IPC, GPU only).
     """
 
     def __init__(self, channel):
@@ -55,6 +61,11 @@ class WeightsServiceStub:
                 '/gymrpc.v1.WeightsService/UploadWeights',
                 request_serializer=gymrpc_dot_v1_dot_weights__service__pb2.UploadWeightsRequest.SerializeToString,
                 response_deserializer=gymrpc_dot_v1_dot_weights__service__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.InitWeightTransfer = channel.unary_unary(
+                '/gymrpc.v1.WeightsService/InitWeightTransfer',
+                request_serializer=gymrpc_dot_v1_dot_weights__service__pb2.InitWeightTransferRequest.SerializeToString,
+                response_deserializer=gymrpc_dot_v1_dot_weights__service__pb2.InitWeightTransferResponse.FromString,
                 _registered_method=True)
         self.GetWeights = channel.unary_unary(
                 '/gymrpc.v1.WeightsService/GetWeights',
@@ -76,6 +87,12 @@ class WeightsServiceServicer:
     before anything is swapped, so a refused update leaves the old weights
     serving. An update while a coordinated checkpoint is open is refused with
     `CHECKPOINT_CONFLICT`; a checkpoint prepared during an update waits for it.
+
+    Weights reach the server in one of three ways: a folder it reads
+    (`UpdateWeights.path`), files streamed over the call (`UploadWeights`),
+    or tensors sent by the trainer through the inference engine's own
+    weight-transfer engine (`InitWeightTransfer` once, then
+    `UpdateWeights.transfer`: NCCL broadcast or CUDA IPC, GPU only).
     """
 
     def UpdateWeights(self, request, context):
@@ -94,6 +111,22 @@ class WeightsServiceServicer:
         of updating answer the same `UpdateWeightsResponse`.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightTransfer(self, request, context):
+        """Opens a weight-transfer group between the trainer and the model
+        server's inference workers (vLLM's `init_weight_transfer_engine`), so
+        that later `UpdateWeights` calls with `transfer` set move tensors
+        without files. For NCCL the workers join the trainer's rendezvous at
+        `master_address:master_port` as ranks `rank_offset` onwards, so the
+        call returns only once the trainer (rank 0) has joined too: the trainer
+        opens its endpoint while this call runs. A later call replaces the
+        group. Needs CUDA GPUs and a backend with a transfer engine; otherwise
+        UNIMPLEMENTED with reason `WEIGHT_TRANSFER_NEEDS_CUDA` or
+        `WEIGHT_TRANSFER_UNSUPPORTED`, the message naming what is missing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,6 +151,11 @@ def add_WeightsServiceServicer_to_server(servicer, server):
                     servicer.UploadWeights,
                     request_deserializer=gymrpc_dot_v1_dot_weights__service__pb2.UploadWeightsRequest.FromString,
                     response_serializer=gymrpc_dot_v1_dot_weights__service__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'InitWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransfer,
+                    request_deserializer=gymrpc_dot_v1_dot_weights__service__pb2.InitWeightTransferRequest.FromString,
+                    response_serializer=gymrpc_dot_v1_dot_weights__service__pb2.InitWeightTransferResponse.SerializeToString,
             ),
             'GetWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWeights,
@@ -145,6 +183,12 @@ class WeightsService:
     before anything is swapped, so a refused update leaves the old weights
     serving. An update while a coordinated checkpoint is open is refused with
     `CHECKPOINT_CONFLICT`; a checkpoint prepared during an update waits for it.
+
+    Weights reach the server in one of three ways: a folder it reads
+    (`UpdateWeights.path`), files streamed over the call (`UploadWeights`),
+    or tensors sent by the trainer through the inference engine's own
+    weight-transfer engine (`InitWeightTransfer` once, then
+    `UpdateWeights.transfer`: NCCL broadcast or CUDA IPC, GPU only).
     """
 
     @staticmethod
@@ -191,6 +235,33 @@ class WeightsService:
             '/gymrpc.v1.WeightsService/UploadWeights',
             gymrpc_dot_v1_dot_weights__service__pb2.UploadWeightsRequest.SerializeToString,
             gymrpc_dot_v1_dot_weights__service__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gymrpc.v1.WeightsService/InitWeightTransfer',
+            gymrpc_dot_v1_dot_weights__service__pb2.InitWeightTransferRequest.SerializeToString,
+            gymrpc_dot_v1_dot_weights__service__pb2.InitWeightTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

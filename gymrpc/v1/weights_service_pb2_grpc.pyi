@@ -39,6 +39,12 @@ class WeightsServiceStub:
     before anything is swapped, so a refused update leaves the old weights
     serving. An update while a coordinated checkpoint is open is refused with
     `CHECKPOINT_CONFLICT`; a checkpoint prepared during an update waits for it.
+
+    Weights reach the server in one of three ways: a folder it reads
+    (`UpdateWeights.path`), files streamed over the call (`UploadWeights`),
+    or tensors sent by the trainer through the inference engine's own
+    weight-transfer engine (`InitWeightTransfer` once, then
+    `UpdateWeights.transfer`: NCCL broadcast or CUDA IPC, GPU only).
     """
 
     @_typing.overload
@@ -58,6 +64,18 @@ class WeightsServiceStub:
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
+    InitWeightTransfer: _grpc.UnaryUnaryMultiCallable[_weights_service_pb2.InitWeightTransferRequest, _weights_service_pb2.InitWeightTransferResponse]
+    """Opens a weight-transfer group between the trainer and the model
+    server's inference workers (vLLM's `init_weight_transfer_engine`), so
+    that later `UpdateWeights` calls with `transfer` set move tensors
+    without files. For NCCL the workers join the trainer's rendezvous at
+    `master_address:master_port` as ranks `rank_offset` onwards, so the
+    call returns only once the trainer (rank 0) has joined too: the trainer
+    opens its endpoint while this call runs. A later call replaces the
+    group. Needs CUDA GPUs and a backend with a transfer engine; otherwise
+    UNIMPLEMENTED with reason `WEIGHT_TRANSFER_NEEDS_CUDA` or
+    `WEIGHT_TRANSFER_UNSUPPORTED`, the message naming what is missing.
+    """
     GetWeights: _grpc.UnaryUnaryMultiCallable[_weights_service_pb2.GetWeightsRequest, _weights_service_pb2.GetWeightsResponse]
     """The version of the weights serving now."""
 
@@ -75,6 +93,12 @@ class WeightsServiceAsyncStub(WeightsServiceStub):
     before anything is swapped, so a refused update leaves the old weights
     serving. An update while a coordinated checkpoint is open is refused with
     `CHECKPOINT_CONFLICT`; a checkpoint prepared during an update waits for it.
+
+    Weights reach the server in one of three ways: a folder it reads
+    (`UpdateWeights.path`), files streamed over the call (`UploadWeights`),
+    or tensors sent by the trainer through the inference engine's own
+    weight-transfer engine (`InitWeightTransfer` once, then
+    `UpdateWeights.transfer`: NCCL broadcast or CUDA IPC, GPU only).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -90,6 +114,18 @@ class WeightsServiceAsyncStub(WeightsServiceStub):
     of updating answer the same `UpdateWeightsResponse`.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+    """
+    InitWeightTransfer: _aio.UnaryUnaryMultiCallable[_weights_service_pb2.InitWeightTransferRequest, _weights_service_pb2.InitWeightTransferResponse]  # type: ignore[assignment]
+    """Opens a weight-transfer group between the trainer and the model
+    server's inference workers (vLLM's `init_weight_transfer_engine`), so
+    that later `UpdateWeights` calls with `transfer` set move tensors
+    without files. For NCCL the workers join the trainer's rendezvous at
+    `master_address:master_port` as ranks `rank_offset` onwards, so the
+    call returns only once the trainer (rank 0) has joined too: the trainer
+    opens its endpoint while this call runs. A later call replaces the
+    group. Needs CUDA GPUs and a backend with a transfer engine; otherwise
+    UNIMPLEMENTED with reason `WEIGHT_TRANSFER_NEEDS_CUDA` or
+    `WEIGHT_TRANSFER_UNSUPPORTED`, the message naming what is missing.
     """
     GetWeights: _aio.UnaryUnaryMultiCallable[_weights_service_pb2.GetWeightsRequest, _weights_service_pb2.GetWeightsResponse]  # type: ignore[assignment]
     """The version of the weights serving now."""
@@ -107,6 +143,12 @@ class WeightsServiceServicer(metaclass=_abc_1.ABCMeta):
     before anything is swapped, so a refused update leaves the old weights
     serving. An update while a coordinated checkpoint is open is refused with
     `CHECKPOINT_CONFLICT`; a checkpoint prepared during an update waits for it.
+
+    Weights reach the server in one of three ways: a folder it reads
+    (`UpdateWeights.path`), files streamed over the call (`UploadWeights`),
+    or tensors sent by the trainer through the inference engine's own
+    weight-transfer engine (`InitWeightTransfer` once, then
+    `UpdateWeights.transfer`: NCCL broadcast or CUDA IPC, GPU only).
     """
 
     @_abc_1.abstractmethod
@@ -132,6 +174,24 @@ class WeightsServiceServicer(metaclass=_abc_1.ABCMeta):
         of updating answer the same `UpdateWeightsResponse`.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+
+    @_abc_1.abstractmethod
+    def InitWeightTransfer(
+        self,
+        request: _weights_service_pb2.InitWeightTransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weights_service_pb2.InitWeightTransferResponse, _abc.Awaitable[_weights_service_pb2.InitWeightTransferResponse]]:
+        """Opens a weight-transfer group between the trainer and the model
+        server's inference workers (vLLM's `init_weight_transfer_engine`), so
+        that later `UpdateWeights` calls with `transfer` set move tensors
+        without files. For NCCL the workers join the trainer's rendezvous at
+        `master_address:master_port` as ranks `rank_offset` onwards, so the
+        call returns only once the trainer (rank 0) has joined too: the trainer
+        opens its endpoint while this call runs. A later call replaces the
+        group. Needs CUDA GPUs and a backend with a transfer engine; otherwise
+        UNIMPLEMENTED with reason `WEIGHT_TRANSFER_NEEDS_CUDA` or
+        `WEIGHT_TRANSFER_UNSUPPORTED`, the message naming what is missing.
         """
 
     @_abc_1.abstractmethod

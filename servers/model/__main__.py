@@ -93,6 +93,7 @@ def build_backend(args: argparse.Namespace, tokenizer: ChatTokenizer) -> ModelBa
         fallback=args.fallback,
         token_delay=args.token_delay,
         weights=args.weights,
+        simulate_transfer=args.simulate_weight_transfer,
     )
 
 
@@ -138,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         type=Path,
         help="a safetensors folder standing for the loaded weights: updates must match its tensors",
+    )
+    scripted.add_argument(
+        "--simulate-weight-transfer",
+        action="store_true",
+        help="test double of a weight-transfer engine: InitWeightTransfer opens at once, transfer updates are "
+        "checked like vLLM's (tensor names, dtypes, shapes against --weights), then only the version changes",
     )
     updates = parser.add_argument_group("weight updates (WeightsService; needs the control token)")
     updates.add_argument(

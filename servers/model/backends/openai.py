@@ -65,6 +65,7 @@ from gymrpc.servers.model.backends.base import (
 )
 from gymrpc.servers.model.backends.vllm_weights import WEIGHTS_EXTENSION
 from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
+from gymrpc.servers.model.weights.transfer import unsupported
 
 log = logging.getLogger(__name__)
 
@@ -493,6 +494,15 @@ class OpenAIBackend(ModelBackend):
 
     def weight_specs(self) -> Mapping[str, TensorSpec] | None:
         return self._specs
+
+    def transfer_unsupported(self, engine: str | None = None) -> GymrpcError | None:
+        return unsupported(
+            "the openai backend has no weight-transfer engine: a vllm serve upstream's own (its dev-mode "
+            "/init_weight_transfer_engine and /update_weights routes) is driven by the trainer directly with vLLM's "
+            "HTTPVLLMWeightSyncClient, outside gymrpc; through gymrpc, update by path (--upstream-weights), or run "
+            "the model in-process (--backend vllm --weight-transfer nccl)",
+            "weight_transfer_engine",
+        )
 
     async def stage_weights(self, folder: WeightsFolder) -> Any:
         files = json.dumps([str(f) for f in folder.files])

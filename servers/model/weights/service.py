@@ -6,6 +6,11 @@ the bounds) and its tensors against the loaded model's; staging (the backend rea
 tensor); then, holding the switch's lock and checking the checkpoint again, the swap. A reply
 is remembered by request id (bounded), so a retried update returns it and loads nothing;
 the same id with other arguments is refused. A failed update is not remembered.
+
+An update through a weight-transfer engine (`transfer` set, `weights.transfer`) takes the same
+steps with the tensor list in place of the folder: the backend can use the engine and its group
+is open, the list matches the loaded model's tensors; nothing is staged (the tensors are not
+here yet), and inside the pause the backend receives and loads them while the trainer sends.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from gymrpc.control import ControlPlane
 from gymrpc.control.types import Phase
 from gymrpc.errors import Aborted, InvalidArgument, Unimplemented
 from gymrpc.servers.bootstrap import ServiceBinding
-from gymrpc.servers.model.weights import upload
-from gymrpc.servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES, WeightsFolder, check_matches, open_folder
+from gymrpc.servers.model.weights import transfer, upload
+from gymrpc.servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES, check_matches, open_folder
 from gymrpc.servers.model.weights.switch import Applied, Mode, WeightSwitch
+from gymrpc.servers.model.weights.transfer import TransferPlan
 from gymrpc.v1 import weights_service_pb2 as pb
 from gymrpc.v1 import weights_service_pb2_grpc as pb_grpc
 
@@ -58,9 +64,13 @@ def _bad(message: str, field: str) -> InvalidArgument:
     return InvalidArgument(message, metadata={"field": field})
 
 
-def check_update(request_id: str, version: str, mode: int) -> Mode:
+def check_request_id(request_id: str) -> None:
     if not request_id or len(request_id) > MAX_ID or not request_id.isprintable():
         raise _bad(f"request_id must be 1 to {MAX_ID} printable characters (reuse it to retry)", "request_id")
+
+
+def check_update(request_id: str, version: str, mode: int) -> Mode:
+    check_request_id(request_id)
     if not version or len(version) > MAX_VERSION or not version.isprintable() or version != version.strip():
         raise _bad(
             f"weight_version must be 1 to {MAX_VERSION} printable characters, no surrounding spaces", "weight_version"
@@ -92,8 +102,8 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
         self.max_total_bytes = max_total_bytes
         self.roots = tuple(Path(os.path.realpath(r)) for r in roots)
         """When set, `UpdateWeights.path` must lie inside one of these folders."""
-        self._replies: OrderedDict[str, tuple[str, pb.UpdateWeightsResponse]] = OrderedDict()
-        self._running: dict[str, tuple[str, asyncio.Future[pb.UpdateWeightsResponse]]] = {}
+        self._replies: OrderedDict[str, tuple[str, Any]] = OrderedDict()
+        self._running: dict[str, tuple[str, asyncio.Future[Any]]] = {}
 
     # -- RPCs -------------------------------------------------------------------------------
 
@@ -101,6 +111,17 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
         self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         mode = check_update(request.request_id, request.weight_version, request.mode)
+        if request.HasField("transfer"):
+            if request.path:
+                raise _bad("set path or transfer, not both", "path")
+            plan = transfer.check_transfer(request.transfer)
+            if request.transfer.validate_only:
+                return await self._validate_transfer(plan, request.weight_version)
+
+            async def by_transfer() -> pb.UpdateWeightsResponse:
+                return await self.apply(await self.stage_transfer(plan, request.weight_version), mode)
+
+            return await self._once(request.request_id, _fingerprint(request), by_transfer)
         fingerprint = _fingerprint(request)
 
         async def work() -> pb.UpdateWeightsResponse:
@@ -108,6 +129,24 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
             return await self._update(folder, request.weight_version, mode)
 
         return await self._once(request.request_id, fingerprint, work)
+
+    async def InitWeightTransfer(
+        self, request: pb.InitWeightTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InitWeightTransferResponse:
+        check_request_id(request.request_id)
+        engine = transfer.engine_name(request.engine, "engine")
+        if (why := self.switch.transfer_unsupported(engine)) is not None:
+            raise why  # before the other fields: what is missing matters more than how they were filled
+        init = transfer.check_init(request)
+        transfer.check_workers(init, self.switch.transfer_engine()[1])
+
+        async def work() -> pb.InitWeightTransferResponse:
+            async with self.switch.lock:  # no update runs while the group is (re)opened
+                workers = await self.switch.init_transfer(init)
+            log.info("weight transfer open", extra={"engine": init.engine, "workers": workers})
+            return pb.InitWeightTransferResponse(engine=request.engine, workers=workers)
+
+        return await self._once(f"init-transfer/{request.request_id}", _fingerprint(request), work)
 
     async def UploadWeights(
         self, request_iterator: AsyncIterator[pb.UploadWeightsRequest], context: grpc.aio.ServicerContext
@@ -140,6 +179,13 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
             updatable=self.switch.weights_unsupported() is None,
             recent_versions=self.switch.versions(),
         )
+        engine, workers = self.switch.transfer_engine()
+        why = self.switch.transfer_unsupported(None)
+        if why is None and engine:
+            reply.transfer_engine = transfer.ENGINE_PB[engine]
+            reply.transfer_workers = workers
+        elif why is not None:
+            reply.transfer_unavailable = why.message
         if self.switch.updated_at is not None:
             stamp = timestamp_pb2.Timestamp()
             stamp.FromNanoseconds(int(self.switch.updated_at * 1e9))
@@ -148,24 +194,24 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
 
     # -- once per request id ----------------------------------------------------------------
 
-    async def _once(
-        self, request_id: str, fingerprint: str, work: Callable[[], Awaitable[pb.UpdateWeightsResponse]]
-    ) -> pb.UpdateWeightsResponse:
+    async def _once(self, request_id: str, fingerprint: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        """`work()`'s reply, or the reply of the call that ran (or runs) it under `request_id`."""
         known = self._replies.get(request_id)
         if known is None and request_id in self._running:
             known_fp, future = self._running[request_id]
             self._check_same(request_id, known_fp, fingerprint)
-            reply = pb.UpdateWeightsResponse()
-            reply.CopyFrom(await asyncio.shield(future))
+            first = await asyncio.shield(future)
+            reply = type(first)()
+            reply.CopyFrom(first)
             reply.already_applied = True
             return reply
         if known is not None:
             self._check_same(request_id, known[0], fingerprint)
-            reply = pb.UpdateWeightsResponse()
+            reply = type(known[1])()
             reply.CopyFrom(known[1])
             reply.already_applied = True
             return reply
-        future: asyncio.Future[pb.UpdateWeightsResponse] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._running[request_id] = (fingerprint, future)
         try:
             reply = await work()
@@ -185,7 +231,8 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
     def _check_same(request_id: str, known: str, fingerprint: str) -> None:
         if known != fingerprint:
             raise InvalidArgument(
-                f"request_id {request_id!r} was already used for another weight update; use a new id",
+                f"request_id {request_id.removeprefix('init-transfer/')!r} was already used for another weight "
+                "update; use a new id",
                 metadata={"field": "request_id"},
             )
 
@@ -234,11 +281,46 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
         if specs is not None:
             check_matches(folder.specs(), specs)
         staged = await self.switch.stage(folder)
-        return Staged(folder, staged, version, time.monotonic() - started)
+        return Staged(folder, staged, version, time.monotonic() - started, len(folder.tensors), folder.size_bytes)
+
+    def _check_transfer(self, plan: TransferPlan, version: str) -> None:
+        """Everything an update through a transfer engine needs, short of receiving it."""
+        self._check_no_checkpoint()
+        if (why := self.switch.transfer_unsupported(plan.engine)) is not None:
+            raise why
+        if version == self.switch.weight_version:
+            raise _bad(
+                f"weight_version {version!r} is already serving; name new weights with a new version", "weight_version"
+            )
+        opened = self.switch.transfer_open()
+        if opened != plan.engine:
+            raise transfer.not_initialized(plan.engine, opened)
+        specs = self.switch.weight_specs()
+        if specs is not None:
+            check_matches(plan.specs(), specs)
+
+    async def stage_transfer(self, plan: TransferPlan, version: str) -> Staged:
+        """Check a transfer's tensors; nothing is read (they arrive inside the pause)."""
+        started = time.monotonic()
+        self._check_transfer(plan, version)
+        return Staged(plan, plan, version, time.monotonic() - started, len(plan.tensors), plan.size_bytes)
+
+    async def _validate_transfer(self, plan: TransferPlan, version: str) -> pb.UpdateWeightsResponse:
+        started = time.monotonic()
+        self._check_transfer(plan, version)
+        current = self.switch.weight_version
+        reply = pb.UpdateWeightsResponse(
+            weight_version=current,
+            previous_weight_version=current,
+            tensor_count=len(plan.tensors),
+            size_bytes=plan.size_bytes,
+        )
+        reply.stage_duration.CopyFrom(_duration(time.monotonic() - started))
+        return reply
 
     async def apply(self, staged: Staged, mode: Mode) -> pb.UpdateWeightsResponse:
         """Swap staged weights in under `mode`, unless a checkpoint opened meanwhile."""
-        folder, version, stage_s = staged.folder, staged.version, staged.stage_s
+        version, stage_s = staged.version, staged.stage_s
         async with self.switch.lock:
             self._check_no_checkpoint()  # one may have opened while we staged
             applied = await self.switch.apply(staged.backend_staged, version, mode)
@@ -254,22 +336,25 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
                 "drained": applied.drained,
             },
         )
-        reply = _reply(applied, len(folder.tensors), folder.size_bytes)
+        reply = _reply(applied, staged.tensor_count, staged.size_bytes)
         reply.stage_duration.CopyFrom(_duration(stage_s))
         return reply
 
 
 @dataclass(frozen=True)
 class Staged:
-    """New weights checked and read in, not yet serving."""
+    """New weights checked and read in (or, for a transfer, checked), not yet serving."""
 
-    folder: WeightsFolder
+    folder: Any
+    """The `WeightsFolder`, or the `TransferPlan` of a transfer."""
     backend_staged: Any
     version: str
     stage_s: float
+    tensor_count: int = 0
+    size_bytes: int = 0
 
 
-def _fingerprint(message: pb.UpdateWeightsRequest | pb.UploadWeightsHeader) -> str:
+def _fingerprint(message: Any) -> str:
     return hashlib.sha256(message.SerializeToString(deterministic=True)).hexdigest()
 
 

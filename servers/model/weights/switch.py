@@ -26,9 +26,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gymrpc.errors import Unavailable
+from gymrpc.errors import GymrpcError, Unavailable
 from gymrpc.servers.model.backends.base import CompletionDelta, Conversation, Finish, ModelBackend, Sampling
 from gymrpc.servers.model.weights.folder import TensorSpec, WeightsFolder
+from gymrpc.servers.model.weights.transfer import TransferInit
 
 HISTORY = 1024
 """Versions `versions` remembers."""
@@ -118,6 +119,19 @@ class WeightSwitch(ModelBackend):
 
     def cached_tokens(self, request_id: str) -> int | None:
         return self.inner.cached_tokens(request_id)
+
+    def transfer_unsupported(self, engine: str | None = None) -> GymrpcError | None:
+        return self.inner.transfer_unsupported(engine)
+
+    def transfer_engine(self) -> tuple[str, int]:
+        return self.inner.transfer_engine()
+
+    def transfer_open(self) -> str | None:
+        return self.inner.transfer_open()
+
+    async def init_transfer(self, init: TransferInit) -> int:
+        """Open the group; the caller holds `lock`, so no update runs meanwhile."""
+        return await self.inner.init_transfer(init)
 
     def in_flight(self) -> int:
         return len(self._runs)

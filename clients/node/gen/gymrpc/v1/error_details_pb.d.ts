@@ -428,6 +428,33 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_REGISTRY_UNAVAILABLE = 53;
    */
   REGISTRY_UNAVAILABLE = 53,
+
+  /**
+   * A weight-transfer engine (NCCL, CUDA IPC) needs CUDA GPUs and this
+   * model server has none (vLLM on the CPU). Update by path or upload
+   * instead. Code UNIMPLEMENTED.
+   *
+   * @generated from enum value: ERROR_REASON_WEIGHT_TRANSFER_NEEDS_CUDA = 54;
+   */
+  WEIGHT_TRANSFER_NEEDS_CUDA = 54,
+
+  /**
+   * This model server's backend has no weight-transfer engine, or was not
+   * started with the one asked for; the message names what is missing.
+   * Code UNIMPLEMENTED.
+   *
+   * @generated from enum value: ERROR_REASON_WEIGHT_TRANSFER_UNSUPPORTED = 55;
+   */
+  WEIGHT_TRANSFER_UNSUPPORTED = 55,
+
+  /**
+   * An update through a weight-transfer engine came before
+   * `InitWeightTransfer` opened that engine (or after the server
+   * restarted). Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_WEIGHT_TRANSFER_NOT_INITIALIZED = 56;
+   */
+  WEIGHT_TRANSFER_NOT_INITIALIZED = 56,
 }
 
 /**

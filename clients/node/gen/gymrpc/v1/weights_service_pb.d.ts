@@ -34,7 +34,8 @@ export declare type UpdateWeightsRequest = Message<"gymrpc.v1.UpdateWeightsReque
 
   /**
    * Absolute path, on the model server's host, of a folder of regular
-   * `*.safetensors` files (no symlinks, no subfolders).
+   * `*.safetensors` files (no symlinks, no subfolders). Exactly one of
+   * `path` and `transfer` is set.
    *
    * @generated from field: string path = 3;
    */
@@ -46,6 +47,18 @@ export declare type UpdateWeightsRequest = Message<"gymrpc.v1.UpdateWeightsReque
    * @generated from field: gymrpc.v1.WeightUpdateMode mode = 4;
    */
   mode: WeightUpdateMode;
+
+  /**
+   * Instead of `path`: the tensors come through the weight-transfer group
+   * opened by `InitWeightTransfer`. Their names, dtypes and shapes are
+   * checked against the loaded model's exactly as a folder's are, before
+   * anything is received; then, inside the pause of `mode`, the server
+   * receives and loads them while the trainer sends (for NCCL the trainer
+   * broadcasts while this call runs).
+   *
+   * @generated from field: gymrpc.v1.TransferredWeights transfer = 5;
+   */
+  transfer?: TransferredWeights | undefined;
 };
 
 /**
@@ -53,6 +66,201 @@ export declare type UpdateWeightsRequest = Message<"gymrpc.v1.UpdateWeightsReque
  * Use `create(UpdateWeightsRequestSchema)` to create a new message.
  */
 export declare const UpdateWeightsRequestSchema: GenMessage<UpdateWeightsRequest>;
+
+/**
+ * The tensors of one update through a weight-transfer engine.
+ *
+ * @generated from message gymrpc.v1.TransferredWeights
+ */
+export declare type TransferredWeights = Message<"gymrpc.v1.TransferredWeights"> & {
+  /**
+   * The engine the group was opened with.
+   *
+   * @generated from field: gymrpc.v1.WeightTransferEngine engine = 1;
+   */
+  engine: WeightTransferEngine;
+
+  /**
+   * Every tensor, in the order the trainer sends them (at most 1,000,000).
+   *
+   * @generated from field: repeated gymrpc.v1.TensorMetadata tensors = 2;
+   */
+  tensors: TensorMetadata[];
+
+  /**
+   * IPC only: the pickled list of per-tensor `{gpu_uuid: rebuild args}`
+   * handles that `torch.multiprocessing.reductions.reduce_tensor` makes,
+   * passed to the workers unopened (at most 64 MiB).
+   *
+   * @generated from field: bytes ipc_handles_pickled = 3;
+   */
+  ipcHandlesPickled: Uint8Array;
+
+  /**
+   * Check everything (the request, the engine, the tensors against the
+   * loaded model's, no checkpoint open) and answer without receiving
+   * anything. The reply names the version serving and counts the tensors;
+   * nothing is remembered under `request_id`. A trainer calls this first, so
+   * a refusal never leaves its broadcast waiting for receivers.
+   *
+   * @generated from field: bool validate_only = 4;
+   */
+  validateOnly: boolean;
+};
+
+/**
+ * Describes the message gymrpc.v1.TransferredWeights.
+ * Use `create(TransferredWeightsSchema)` to create a new message.
+ */
+export declare const TransferredWeightsSchema: GenMessage<TransferredWeights>;
+
+/**
+ * Name, dtype and shape of one tensor, in the model's checkpoint format.
+ *
+ * @generated from message gymrpc.v1.TensorMetadata
+ */
+export declare type TensorMetadata = Message<"gymrpc.v1.TensorMetadata"> & {
+  /**
+   * The tensor's name as the model's safetensors files name it.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * Safetensors dtype name: `F32`, `BF16`, `F16`, `F64`, `I64`, `I32`,
+   * `I16`, `I8`, `U8`, `BOOL`, `F8_E4M3`, `F8_E5M2`, `U16`, `U32`, `U64`.
+   *
+   * @generated from field: string dtype = 2;
+   */
+  dtype: string;
+
+  /**
+   * Dimensions, outermost first.
+   *
+   * @generated from field: repeated uint64 shape = 3;
+   */
+  shape: bigint[];
+};
+
+/**
+ * Describes the message gymrpc.v1.TensorMetadata.
+ * Use `create(TensorMetadataSchema)` to create a new message.
+ */
+export declare const TensorMetadataSchema: GenMessage<TensorMetadata>;
+
+/**
+ * Request of `WeightsService.InitWeightTransfer`.
+ *
+ * @generated from message gymrpc.v1.InitWeightTransferRequest
+ */
+export declare type InitWeightTransferRequest = Message<"gymrpc.v1.InitWeightTransferRequest"> & {
+  /**
+   * De-duplication key (printable, at most 256 characters): a retry with
+   * the same id while the rendezvous runs, or after it, gets its reply.
+   *
+   * @generated from field: string request_id = 1;
+   */
+  requestId: string;
+
+  /**
+   * The engine: NCCL or IPC.
+   *
+   * @generated from field: gymrpc.v1.WeightTransferEngine engine = 2;
+   */
+  engine: WeightTransferEngine;
+
+  /**
+   * NCCL: the trainer's rendezvous host (a TCP store it serves as rank 0).
+   *
+   * @generated from field: string master_address = 3;
+   */
+  masterAddress: string;
+
+  /**
+   * NCCL: the rendezvous port.
+   *
+   * @generated from field: uint32 master_port = 4;
+   */
+  masterPort: number;
+
+  /**
+   * NCCL: ranks in the group, the trainer's included.
+   *
+   * @generated from field: uint32 world_size = 5;
+   */
+  worldSize: number;
+
+  /**
+   * NCCL: the rank of this server's first worker (at least 1: the trainer
+   * is rank 0). Replicas of one name take consecutive ranges.
+   *
+   * @generated from field: uint32 rank_offset = 6;
+   */
+  rankOffset: number;
+
+  /**
+   * Tensors are batched into buffers (vLLM's packed transfer); NCCL only.
+   *
+   * @generated from field: bool packed = 7;
+   */
+  packed: boolean;
+
+  /**
+   * Packed buffer size in bytes; 0 for vLLM's default.
+   *
+   * @generated from field: uint64 packed_buffer_size_bytes = 8;
+   */
+  packedBufferSizeBytes: bigint;
+
+  /**
+   * Packed buffers in flight; 0 for vLLM's default.
+   *
+   * @generated from field: uint32 packed_num_buffers = 9;
+   */
+  packedNumBuffers: number;
+};
+
+/**
+ * Describes the message gymrpc.v1.InitWeightTransferRequest.
+ * Use `create(InitWeightTransferRequestSchema)` to create a new message.
+ */
+export declare const InitWeightTransferRequestSchema: GenMessage<InitWeightTransferRequest>;
+
+/**
+ * Reply of `WeightsService.InitWeightTransfer`.
+ *
+ * @generated from message gymrpc.v1.InitWeightTransferResponse
+ */
+export declare type InitWeightTransferResponse = Message<"gymrpc.v1.InitWeightTransferResponse"> & {
+  /**
+   * The engine now open.
+   *
+   * @generated from field: gymrpc.v1.WeightTransferEngine engine = 1;
+   */
+  engine: WeightTransferEngine;
+
+  /**
+   * Inference workers of this server in the group (ranks `rank_offset`
+   * to `rank_offset + workers - 1`).
+   *
+   * @generated from field: uint32 workers = 2;
+   */
+  workers: number;
+
+  /**
+   * True when this reply is a retry's.
+   *
+   * @generated from field: bool already_applied = 3;
+   */
+  alreadyApplied: boolean;
+};
+
+/**
+ * Describes the message gymrpc.v1.InitWeightTransferResponse.
+ * Use `create(InitWeightTransferResponseSchema)` to create a new message.
+ */
+export declare const InitWeightTransferResponseSchema: GenMessage<InitWeightTransferResponse>;
 
 /**
  * One message of `WeightsService.UploadWeights`.
@@ -371,6 +579,29 @@ export declare type GetWeightsResponse = Message<"gymrpc.v1.GetWeightsResponse">
    * @generated from field: repeated string recent_versions = 6;
    */
   recentVersions: string[];
+
+  /**
+   * The weight-transfer engine this server can open (`InitWeightTransfer`),
+   * UNSPECIFIED when it has none (see `transfer_unavailable`).
+   *
+   * @generated from field: gymrpc.v1.WeightTransferEngine transfer_engine = 7;
+   */
+  transferEngine: WeightTransferEngine;
+
+  /**
+   * Inference workers that join a transfer group (tensor x pipeline x data
+   * parallel size): a trainer sizes the group's `world_size` from it.
+   *
+   * @generated from field: uint32 transfer_workers = 8;
+   */
+  transferWorkers: number;
+
+  /**
+   * Why this server cannot open a weight-transfer group, when it cannot.
+   *
+   * @generated from field: string transfer_unavailable = 9;
+   */
+  transferUnavailable: string;
 };
 
 /**
@@ -424,6 +655,43 @@ export enum WeightUpdateMode {
 export declare const WeightUpdateModeSchema: GenEnum<WeightUpdateMode>;
 
 /**
+ * How tensors travel from the trainer to the inference workers, when they
+ * do not travel as files.
+ *
+ * @generated from enum gymrpc.v1.WeightTransferEngine
+ */
+export enum WeightTransferEngine {
+  /**
+   * No transfer engine.
+   *
+   * @generated from enum value: WEIGHT_TRANSFER_ENGINE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * NCCL broadcast from the trainer (rank 0) to every inference worker;
+   * the trainer's GPUs and the server's reach each other over NCCL.
+   *
+   * @generated from enum value: WEIGHT_TRANSFER_ENGINE_NCCL = 1;
+   */
+  NCCL = 1,
+
+  /**
+   * CUDA IPC handles of the trainer's tensors, opened by workers on the
+   * same host and GPUs. The handles are pickled; vLLM's workers load them
+   * only when started with `VLLM_ALLOW_INSECURE_SERIALIZATION=1`.
+   *
+   * @generated from enum value: WEIGHT_TRANSFER_ENGINE_IPC = 2;
+   */
+  IPC = 2,
+}
+
+/**
+ * Describes the enum gymrpc.v1.WeightTransferEngine.
+ */
+export declare const WeightTransferEngineSchema: GenEnum<WeightTransferEngine>;
+
+/**
  * Puts new policy weights into a model server while episodes are in flight.
  *
  * Served by the model server beside `ModelService`. Every method is a
@@ -436,6 +704,12 @@ export declare const WeightUpdateModeSchema: GenEnum<WeightUpdateMode>;
  * before anything is swapped, so a refused update leaves the old weights
  * serving. An update while a coordinated checkpoint is open is refused with
  * `CHECKPOINT_CONFLICT`; a checkpoint prepared during an update waits for it.
+ *
+ * Weights reach the server in one of three ways: a folder it reads
+ * (`UpdateWeights.path`), files streamed over the call (`UploadWeights`),
+ * or tensors sent by the trainer through the inference engine's own
+ * weight-transfer engine (`InitWeightTransfer` once, then
+ * `UpdateWeights.transfer`: NCCL broadcast or CUDA IPC, GPU only).
  *
  * @generated from service gymrpc.v1.WeightsService
  */
@@ -466,6 +740,25 @@ export declare const WeightsService: GenService<{
     methodKind: "client_streaming";
     input: typeof UploadWeightsRequestSchema;
     output: typeof UpdateWeightsResponseSchema;
+  },
+  /**
+   * Opens a weight-transfer group between the trainer and the model
+   * server's inference workers (vLLM's `init_weight_transfer_engine`), so
+   * that later `UpdateWeights` calls with `transfer` set move tensors
+   * without files. For NCCL the workers join the trainer's rendezvous at
+   * `master_address:master_port` as ranks `rank_offset` onwards, so the
+   * call returns only once the trainer (rank 0) has joined too: the trainer
+   * opens its endpoint while this call runs. A later call replaces the
+   * group. Needs CUDA GPUs and a backend with a transfer engine; otherwise
+   * UNIMPLEMENTED with reason `WEIGHT_TRANSFER_NEEDS_CUDA` or
+   * `WEIGHT_TRANSFER_UNSUPPORTED`, the message naming what is missing.
+   *
+   * @generated from rpc gymrpc.v1.WeightsService.InitWeightTransfer
+   */
+  initWeightTransfer: {
+    methodKind: "unary";
+    input: typeof InitWeightTransferRequestSchema;
+    output: typeof InitWeightTransferResponseSchema;
   },
   /**
    * The version of the weights serving now.

@@ -9,7 +9,7 @@ import { file_google_protobuf_duration, file_google_protobuf_timestamp } from "@
  * Describes the file gymrpc/v1/weights_service.proto.
  */
 export const file_gymrpc_v1_weights_service = /*@__PURE__*/
-  fileDesc("Ch9neW1ycGMvdjEvd2VpZ2h0c19zZXJ2aWNlLnByb3RvEglneW1ycGMudjEiewoUVXBkYXRlV2VpZ2h0c1JlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoCRIMCgRwYXRoGAMgASgJEikKBG1vZGUYBCABKA4yGy5neW1ycGMudjEuV2VpZ2h0VXBkYXRlTW9kZSJ6ChRVcGxvYWRXZWlnaHRzUmVxdWVzdBIwCgZoZWFkZXIYASABKAsyHi5neW1ycGMudjEuVXBsb2FkV2VpZ2h0c0hlYWRlckgAEigKBWNodW5rGAIgASgLMhcuZ3ltcnBjLnYxLldlaWdodHNDaHVua0gAQgYKBHBhcnQikwEKE1VwbG9hZFdlaWdodHNIZWFkZXISEgoKcmVxdWVzdF9pZBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoCRIpCgRtb2RlGAMgASgOMhsuZ3ltcnBjLnYxLldlaWdodFVwZGF0ZU1vZGUSJQoFZmlsZXMYBCADKAsyFi5neW1ycGMudjEuV2VpZ2h0c0ZpbGUiPwoLV2VpZ2h0c0ZpbGUSDAoEbmFtZRgBIAEoCRISCgpzaXplX2J5dGVzGAIgASgEEg4KBnNoYTI1NhgDIAEoCSJACgxXZWlnaHRzQ2h1bmsSEgoKZmlsZV9pbmRleBgBIAEoDRIOCgZvZmZzZXQYAiABKAQSDAoEZGF0YRgDIAEoDCLBAwoVVXBkYXRlV2VpZ2h0c1Jlc3BvbnNlEhYKDndlaWdodF92ZXJzaW9uGAEgASgJEh8KF3ByZXZpb3VzX3dlaWdodF92ZXJzaW9uGAIgASgJEjEKDnBhdXNlX2R1cmF0aW9uGAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhgKEGdlbmVyYXRpb25zX2tlcHQYBCABKA0SFwoPZ2VuZXJhdGlvbnNfY3V0GAUgASgNEhsKE2dlbmVyYXRpb25zX2RyYWluZWQYBiABKA0SGQoRdG9rZW5zX3JlY29tcHV0ZWQYByABKAQSFwoPYWxyZWFkeV9hcHBsaWVkGAggASgIEikKBG1vZGUYCSABKA4yGy5neW1ycGMudjEuV2VpZ2h0VXBkYXRlTW9kZRIUCgx0ZW5zb3JfY291bnQYCiABKA0SEgoKc2l6ZV9ieXRlcxgLIAEoBBIwCg1sb2FkX2R1cmF0aW9uGAwgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKDnN0YWdlX2R1cmF0aW9uGA0gASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIhMKEUdldFdlaWdodHNSZXF1ZXN0IrABChJHZXRXZWlnaHRzUmVzcG9uc2USFgoOd2VpZ2h0X3ZlcnNpb24YASABKAkSFAoMdXBkYXRlX2NvdW50GAIgASgNEi8KC3VwZGF0ZV90aW1lGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdiYWNrZW5kGAQgASgJEhEKCXVwZGF0YWJsZRgFIAEoCBIXCg9yZWNlbnRfdmVyc2lvbnMYBiADKAkqjQEKEFdlaWdodFVwZGF0ZU1vZGUSIgoeV0VJR0hUX1VQREFURV9NT0RFX1VOU1BFQ0lGSUVEEAASGwoXV0VJR0hUX1VQREFURV9NT0RFX0tFRVAQARIaChZXRUlHSFRfVVBEQVRFX01PREVfQ1VUEAISHAoYV0VJR0hUX1VQREFURV9NT0RFX0RSQUlOEAMylAIKDldlaWdodHNTZXJ2aWNlElcKDVVwZGF0ZVdlaWdodHMSHy5neW1ycGMudjEuVXBkYXRlV2VpZ2h0c1JlcXVlc3QaIC5neW1ycGMudjEuVXBkYXRlV2VpZ2h0c1Jlc3BvbnNlIgOQAgISWQoNVXBsb2FkV2VpZ2h0cxIfLmd5bXJwYy52MS5VcGxvYWRXZWlnaHRzUmVxdWVzdBogLmd5bXJwYy52MS5VcGRhdGVXZWlnaHRzUmVzcG9uc2UiA5ACAigBEk4KCkdldFdlaWdodHMSHC5neW1ycGMudjEuR2V0V2VpZ2h0c1JlcXVlc3QaHS5neW1ycGMudjEuR2V0V2VpZ2h0c1Jlc3BvbnNlIgOQAgFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("Ch9neW1ycGMvdjEvd2VpZ2h0c19zZXJ2aWNlLnByb3RvEglneW1ycGMudjEirAEKFFVwZGF0ZVdlaWdodHNSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAkSDAoEcGF0aBgDIAEoCRIpCgRtb2RlGAQgASgOMhsuZ3ltcnBjLnYxLldlaWdodFVwZGF0ZU1vZGUSLwoIdHJhbnNmZXIYBSABKAsyHS5neW1ycGMudjEuVHJhbnNmZXJyZWRXZWlnaHRzIqUBChJUcmFuc2ZlcnJlZFdlaWdodHMSLwoGZW5naW5lGAEgASgOMh8uZ3ltcnBjLnYxLldlaWdodFRyYW5zZmVyRW5naW5lEioKB3RlbnNvcnMYAiADKAsyGS5neW1ycGMudjEuVGVuc29yTWV0YWRhdGESGwoTaXBjX2hhbmRsZXNfcGlja2xlZBgDIAEoDBIVCg12YWxpZGF0ZV9vbmx5GAQgASgIIjwKDlRlbnNvck1ldGFkYXRhEgwKBG5hbWUYASABKAkSDQoFZHR5cGUYAiABKAkSDQoFc2hhcGUYAyADKAQihAIKGUluaXRXZWlnaHRUcmFuc2ZlclJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIvCgZlbmdpbmUYAiABKA4yHy5neW1ycGMudjEuV2VpZ2h0VHJhbnNmZXJFbmdpbmUSFgoObWFzdGVyX2FkZHJlc3MYAyABKAkSEwoLbWFzdGVyX3BvcnQYBCABKA0SEgoKd29ybGRfc2l6ZRgFIAEoDRITCgtyYW5rX29mZnNldBgGIAEoDRIOCgZwYWNrZWQYByABKAgSIAoYcGFja2VkX2J1ZmZlcl9zaXplX2J5dGVzGAggASgEEhoKEnBhY2tlZF9udW1fYnVmZmVycxgJIAEoDSJ3ChpJbml0V2VpZ2h0VHJhbnNmZXJSZXNwb25zZRIvCgZlbmdpbmUYASABKA4yHy5neW1ycGMudjEuV2VpZ2h0VHJhbnNmZXJFbmdpbmUSDwoHd29ya2VycxgCIAEoDRIXCg9hbHJlYWR5X2FwcGxpZWQYAyABKAgiegoUVXBsb2FkV2VpZ2h0c1JlcXVlc3QSMAoGaGVhZGVyGAEgASgLMh4uZ3ltcnBjLnYxLlVwbG9hZFdlaWdodHNIZWFkZXJIABIoCgVjaHVuaxgCIAEoCzIXLmd5bXJwYy52MS5XZWlnaHRzQ2h1bmtIAEIGCgRwYXJ0IpMBChNVcGxvYWRXZWlnaHRzSGVhZGVyEhIKCnJlcXVlc3RfaWQYASABKAkSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAkSKQoEbW9kZRgDIAEoDjIbLmd5bXJwYy52MS5XZWlnaHRVcGRhdGVNb2RlEiUKBWZpbGVzGAQgAygLMhYuZ3ltcnBjLnYxLldlaWdodHNGaWxlIj8KC1dlaWdodHNGaWxlEgwKBG5hbWUYASABKAkSEgoKc2l6ZV9ieXRlcxgCIAEoBBIOCgZzaGEyNTYYAyABKAkiQAoMV2VpZ2h0c0NodW5rEhIKCmZpbGVfaW5kZXgYASABKA0SDgoGb2Zmc2V0GAIgASgEEgwKBGRhdGEYAyABKAwiwQMKFVVwZGF0ZVdlaWdodHNSZXNwb25zZRIWCg53ZWlnaHRfdmVyc2lvbhgBIAEoCRIfChdwcmV2aW91c193ZWlnaHRfdmVyc2lvbhgCIAEoCRIxCg5wYXVzZV9kdXJhdGlvbhgDIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIYChBnZW5lcmF0aW9uc19rZXB0GAQgASgNEhcKD2dlbmVyYXRpb25zX2N1dBgFIAEoDRIbChNnZW5lcmF0aW9uc19kcmFpbmVkGAYgASgNEhkKEXRva2Vuc19yZWNvbXB1dGVkGAcgASgEEhcKD2FscmVhZHlfYXBwbGllZBgIIAEoCBIpCgRtb2RlGAkgASgOMhsuZ3ltcnBjLnYxLldlaWdodFVwZGF0ZU1vZGUSFAoMdGVuc29yX2NvdW50GAogASgNEhIKCnNpemVfYnl0ZXMYCyABKAQSMAoNbG9hZF9kdXJhdGlvbhgMIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIxCg5zdGFnZV9kdXJhdGlvbhgNIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiITChFHZXRXZWlnaHRzUmVxdWVzdCKiAgoSR2V0V2VpZ2h0c1Jlc3BvbnNlEhYKDndlaWdodF92ZXJzaW9uGAEgASgJEhQKDHVwZGF0ZV9jb3VudBgCIAEoDRIvCgt1cGRhdGVfdGltZRgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDwoHYmFja2VuZBgEIAEoCRIRCgl1cGRhdGFibGUYBSABKAgSFwoPcmVjZW50X3ZlcnNpb25zGAYgAygJEjgKD3RyYW5zZmVyX2VuZ2luZRgHIAEoDjIfLmd5bXJwYy52MS5XZWlnaHRUcmFuc2ZlckVuZ2luZRIYChB0cmFuc2Zlcl93b3JrZXJzGAggASgNEhwKFHRyYW5zZmVyX3VuYXZhaWxhYmxlGAkgASgJKo0BChBXZWlnaHRVcGRhdGVNb2RlEiIKHldFSUdIVF9VUERBVEVfTU9ERV9VTlNQRUNJRklFRBAAEhsKF1dFSUdIVF9VUERBVEVfTU9ERV9LRUVQEAESGgoWV0VJR0hUX1VQREFURV9NT0RFX0NVVBACEhwKGFdFSUdIVF9VUERBVEVfTU9ERV9EUkFJThADKn8KFFdlaWdodFRyYW5zZmVyRW5naW5lEiYKIldFSUdIVF9UUkFOU0ZFUl9FTkdJTkVfVU5TUEVDSUZJRUQQABIfChtXRUlHSFRfVFJBTlNGRVJfRU5HSU5FX05DQ0wQARIeChpXRUlHSFRfVFJBTlNGRVJfRU5HSU5FX0lQQxACMvwCCg5XZWlnaHRzU2VydmljZRJXCg1VcGRhdGVXZWlnaHRzEh8uZ3ltcnBjLnYxLlVwZGF0ZVdlaWdodHNSZXF1ZXN0GiAuZ3ltcnBjLnYxLlVwZGF0ZVdlaWdodHNSZXNwb25zZSIDkAICElkKDVVwbG9hZFdlaWdodHMSHy5neW1ycGMudjEuVXBsb2FkV2VpZ2h0c1JlcXVlc3QaIC5neW1ycGMudjEuVXBkYXRlV2VpZ2h0c1Jlc3BvbnNlIgOQAgIoARJmChJJbml0V2VpZ2h0VHJhbnNmZXISJC5neW1ycGMudjEuSW5pdFdlaWdodFRyYW5zZmVyUmVxdWVzdBolLmd5bXJwYy52MS5Jbml0V2VpZ2h0VHJhbnNmZXJSZXNwb25zZSIDkAICEk4KCkdldFdlaWdodHMSHC5neW1ycGMudjEuR2V0V2VpZ2h0c1JlcXVlc3QaHS5neW1ycGMudjEuR2V0V2VpZ2h0c1Jlc3BvbnNlIgOQAgFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * Describes the message gymrpc.v1.UpdateWeightsRequest.
@@ -19,53 +19,81 @@ export const UpdateWeightsRequestSchema = /*@__PURE__*/
   messageDesc(file_gymrpc_v1_weights_service, 0);
 
 /**
+ * Describes the message gymrpc.v1.TransferredWeights.
+ * Use `create(TransferredWeightsSchema)` to create a new message.
+ */
+export const TransferredWeightsSchema = /*@__PURE__*/
+  messageDesc(file_gymrpc_v1_weights_service, 1);
+
+/**
+ * Describes the message gymrpc.v1.TensorMetadata.
+ * Use `create(TensorMetadataSchema)` to create a new message.
+ */
+export const TensorMetadataSchema = /*@__PURE__*/
+  messageDesc(file_gymrpc_v1_weights_service, 2);
+
+/**
+ * Describes the message gymrpc.v1.InitWeightTransferRequest.
+ * Use `create(InitWeightTransferRequestSchema)` to create a new message.
+ */
+export const InitWeightTransferRequestSchema = /*@__PURE__*/
+  messageDesc(file_gymrpc_v1_weights_service, 3);
+
+/**
+ * Describes the message gymrpc.v1.InitWeightTransferResponse.
+ * Use `create(InitWeightTransferResponseSchema)` to create a new message.
+ */
+export const InitWeightTransferResponseSchema = /*@__PURE__*/
+  messageDesc(file_gymrpc_v1_weights_service, 4);
+
+/**
  * Describes the message gymrpc.v1.UploadWeightsRequest.
  * Use `create(UploadWeightsRequestSchema)` to create a new message.
  */
 export const UploadWeightsRequestSchema = /*@__PURE__*/
-  messageDesc(file_gymrpc_v1_weights_service, 1);
+  messageDesc(file_gymrpc_v1_weights_service, 5);
 
 /**
  * Describes the message gymrpc.v1.UploadWeightsHeader.
  * Use `create(UploadWeightsHeaderSchema)` to create a new message.
  */
 export const UploadWeightsHeaderSchema = /*@__PURE__*/
-  messageDesc(file_gymrpc_v1_weights_service, 2);
+  messageDesc(file_gymrpc_v1_weights_service, 6);
 
 /**
  * Describes the message gymrpc.v1.WeightsFile.
  * Use `create(WeightsFileSchema)` to create a new message.
  */
 export const WeightsFileSchema = /*@__PURE__*/
-  messageDesc(file_gymrpc_v1_weights_service, 3);
+  messageDesc(file_gymrpc_v1_weights_service, 7);
 
 /**
  * Describes the message gymrpc.v1.WeightsChunk.
  * Use `create(WeightsChunkSchema)` to create a new message.
  */
 export const WeightsChunkSchema = /*@__PURE__*/
-  messageDesc(file_gymrpc_v1_weights_service, 4);
+  messageDesc(file_gymrpc_v1_weights_service, 8);
 
 /**
  * Describes the message gymrpc.v1.UpdateWeightsResponse.
  * Use `create(UpdateWeightsResponseSchema)` to create a new message.
  */
 export const UpdateWeightsResponseSchema = /*@__PURE__*/
-  messageDesc(file_gymrpc_v1_weights_service, 5);
+  messageDesc(file_gymrpc_v1_weights_service, 9);
 
 /**
  * Describes the message gymrpc.v1.GetWeightsRequest.
  * Use `create(GetWeightsRequestSchema)` to create a new message.
  */
 export const GetWeightsRequestSchema = /*@__PURE__*/
-  messageDesc(file_gymrpc_v1_weights_service, 6);
+  messageDesc(file_gymrpc_v1_weights_service, 10);
 
 /**
  * Describes the message gymrpc.v1.GetWeightsResponse.
  * Use `create(GetWeightsResponseSchema)` to create a new message.
  */
 export const GetWeightsResponseSchema = /*@__PURE__*/
-  messageDesc(file_gymrpc_v1_weights_service, 7);
+  messageDesc(file_gymrpc_v1_weights_service, 11);
 
 /**
  * Describes the enum gymrpc.v1.WeightUpdateMode.
@@ -82,6 +110,21 @@ export const WeightUpdateMode = /*@__PURE__*/
   tsEnum(WeightUpdateModeSchema);
 
 /**
+ * Describes the enum gymrpc.v1.WeightTransferEngine.
+ */
+export const WeightTransferEngineSchema = /*@__PURE__*/
+  enumDesc(file_gymrpc_v1_weights_service, 1);
+
+/**
+ * How tensors travel from the trainer to the inference workers, when they
+ * do not travel as files.
+ *
+ * @generated from enum gymrpc.v1.WeightTransferEngine
+ */
+export const WeightTransferEngine = /*@__PURE__*/
+  tsEnum(WeightTransferEngineSchema);
+
+/**
  * Puts new policy weights into a model server while episodes are in flight.
  *
  * Served by the model server beside `ModelService`. Every method is a
@@ -94,6 +137,12 @@ export const WeightUpdateMode = /*@__PURE__*/
  * before anything is swapped, so a refused update leaves the old weights
  * serving. An update while a coordinated checkpoint is open is refused with
  * `CHECKPOINT_CONFLICT`; a checkpoint prepared during an update waits for it.
+ *
+ * Weights reach the server in one of three ways: a folder it reads
+ * (`UpdateWeights.path`), files streamed over the call (`UploadWeights`),
+ * or tensors sent by the trainer through the inference engine's own
+ * weight-transfer engine (`InitWeightTransfer` once, then
+ * `UpdateWeights.transfer`: NCCL broadcast or CUDA IPC, GPU only).
  *
  * @generated from service gymrpc.v1.WeightsService
  */
