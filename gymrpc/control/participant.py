@@ -72,12 +72,13 @@ class Capture:
     records every time.
     """
 
-    build: Callable[[], list[rec_pb.CheckpointRecord]]
+    build: Callable[[], Iterable[rec_pb.CheckpointRecord]]
+    """Makes the records one by one (a generator): the write pauses between them to let the event loop run."""
     episodes: int = 0
     """How many episodes (or sessions) it holds, for logs."""
 
     def records(self) -> list[rec_pb.CheckpointRecord]:
-        return self.build()
+        return list(self.build())
 
     @classmethod
     def of(cls, records: Sequence[rec_pb.CheckpointRecord]) -> Capture:

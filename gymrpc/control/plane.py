@@ -11,8 +11,10 @@ plane adds what must be the same everywhere:
   store step stores the same capture again; a write that outlives its deadline keeps
   running (shielded), and a retry waits for it;
 - a commit with `background` replies once the capture is taken, so the controller can
-  resume the episodes at once; the write starts on that resume (or the first `persist`)
-  and runs on its own, untouched by the resume, and `persist` waits for its manifest. A
+  resume the episodes at once; the write starts on the first `persist` (which the
+  controller sends once everyone is resumed), or by itself `WRITE_AFTER_RESUME` seconds
+  after the resume, and runs on its own, untouched by the resume; `persist` waits for its
+  manifest. A
   process that restarted has no such write and says so (CHECKPOINT_INCOMPLETE): the
   controller then never publishes the checkpoint. At most `MAX_UNFINISHED_CAPTURES` such
   writes are unfinished at once; one more background commit is RESOURCE_EXHAUSTED;
@@ -43,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from gymrpc.balancing import place
-from gymrpc.control import store
+from gymrpc.control import collection, store
 from gymrpc.control.faults import armed, crash_point
 from gymrpc.control.fencing import Fence, Op, ResumeOutcome
 from gymrpc.control.lease import Lease
@@ -67,6 +69,9 @@ log = logging.getLogger(__name__)
 DEFAULT_LEASE_GRACE = 120.0
 REMEMBERED_PERSISTS = 16
 """Finished background writes kept for `persist` (their manifests, or their captures to write again)."""
+WRITE_AFTER_RESUME = 1.0
+"""Seconds after its resume a captured write starts if no `persist` started it first (a controller that
+vanished): the controller persists once every participant is resumed, so writes never slow the resumes."""
 MAX_UNFINISHED_CAPTURES = 8
 """Background writes not finished yet, each holding its capture in memory; a commit past it is refused."""
 PERMANENT_ERRNOS = frozenset(
@@ -108,8 +113,8 @@ class _Stage(enum.Enum):
     """Where a checkpoint's write stands."""
 
     CAPTURED = "captured"
-    """A background commit took its capture; the write starts on the resume (or the first `persist`),
-    so building and hashing the records never competes with the captures and the resume."""
+    """A background commit took its capture; the write starts on the first `persist` (or a moment after
+    the resume), so building and hashing the records never competes with the captures and the resumes."""
     WRITING = "writing"
     """`task` builds and writes the records (or ended, and no `persist` reported it yet)."""
     WRITTEN = "written"
@@ -192,6 +197,7 @@ class ControlPlane:
         self.lease.start()
 
     async def close(self) -> None:
+        collection.release(self)
         await self.lease.close()
 
     # -- queries -----------------------------------------------------------------------------
@@ -371,11 +377,16 @@ class ControlPlane:
         write.task = asyncio.get_running_loop().create_task(self._store(write))
         write.task.add_done_callback(_retrieved)  # a write nobody awaits any more may still fail
 
+    def _start_captured(self, write: _Write) -> None:
+        """Start a captured write no `persist` started yet (no await: atomic with the lock's holders)."""
+        if write.stage is _Stage.CAPTURED and self._persisting.get(write.checkpoint_id) is write:
+            self._start(write)
+
     async def _captured(self, write: _Write, scope: Scope, stop: bool) -> None:
         """A background commit's capture is taken (under the lock): remember it and commit.
 
         The write leaves `_write`, so a resume no longer stops it: once captured, the records
-        are this checkpoint's whatever the episodes do next. It starts on the resume.
+        are this checkpoint's whatever the episodes do next. It starts on `persist`.
         """
         checkpoint_id = write.checkpoint_id
         self._write = None
@@ -422,7 +433,7 @@ class ControlPlane:
                     reason="CHECKPOINT_INCOMPLETE",
                     metadata={"checkpoint_id": checkpoint_id, "name": self.name},
                 )
-            if write.stage in (_Stage.CAPTURED, _Stage.FAILED):  # not resumed (a `stop` commit), or failed
+            if write.stage in (_Stage.CAPTURED, _Stage.FAILED):  # its first persist, or a failure reported
                 self._start(write)
             task = write.task
             assert task is not None
@@ -504,7 +515,7 @@ class ControlPlane:
         capture = write.capture
         assert capture is not None, "a written capture is not written again"
         started = time.perf_counter()
-        records = capture.records()
+        records = list(store.yielding(capture.build()))
         write.build_s = time.perf_counter() - started
         return store.write_checkpoint(
             write.root, self.kind, self.name, write.checkpoint_id, records, write.stop, self.endpoint_id
@@ -529,8 +540,10 @@ class ControlPlane:
             return False
 
     async def _reopen(self, checkpoint_id: str) -> None:
+        collection.release(self)  # held since a background commit (`gymrpc.control.collection`)
         if (captured := self._persisting.get(checkpoint_id)) is not None and captured.stage is _Stage.CAPTURED:
-            self._start(captured)  # its write goes on: the capture is the commit
+            # Its write goes on (the capture is the commit): on persist, or soon without one.
+            asyncio.get_running_loop().call_later(WRITE_AFTER_RESUME, self._start_captured, captured)
         write, self._write = self._write, None
         if write is not None:
             await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it

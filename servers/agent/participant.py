@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gymrpc import tracing
@@ -286,18 +286,14 @@ _LISTS = ("tools", "messages", "pending_tool_calls", "model_calls", "tool_calls"
 def _records(
     parked: Sequence[tuple[EpisodeKey, EpisodeState, str, float]],
     restored: Sequence[tuple[EpisodeKey, EpisodeCheckpoint]],
-) -> list[rec_pb.CheckpointRecord]:
-    """A capture's records (worker thread): each parked episode at its boundary, then the restored ones."""
-    out: dict[EpisodeKey, EpisodeCheckpoint] = {}
-    for key, state, request_fingerprint, parking in parked:
-        out[key] = boundary_record(state, request_fingerprint, parking)
-    out.update(restored)
-    records = []
-    for key in sorted(out):
+) -> Iterator[rec_pb.CheckpointRecord]:
+    """A capture's records (worker thread), by episode: a restored record as it was, else the boundary."""
+    states = {key: (state, request_fingerprint, parking) for key, state, request_fingerprint, parking in parked}
+    kept = dict(restored)
+    for key in sorted(states.keys() | kept.keys()):
         record = rec_pb.CheckpointRecord(episode_id=key.to_pb())
-        record.other.Pack(out[key])
-        records.append(record)
-    return records
+        record.other.Pack(kept[key] if key in kept else boundary_record(*states[key]))
+        yield record
 
 
 def boundary_record(state: EpisodeState, request_fingerprint: str, parking: float = 0.0) -> EpisodeCheckpoint:

@@ -20,7 +20,7 @@ this participant (set by the constructor).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from gymrpc.control import Capture, EpisodeKey, Kind, Participant, Report, Scope
@@ -310,17 +310,15 @@ def _records(
     parked: Mapping[EpisodeKey, Sequence[CutView]],
     restored: Mapping[EpisodeKey, Sequence[rec_pb.GenerationCut]],
     weight_version: str,
-) -> list[rec_pb.CheckpointRecord]:
+) -> Iterator[rec_pb.CheckpointRecord]:
     """A capture's records (worker thread): one per episode, its rows, then its parked and restored cuts."""
-    records = []
     for episode in sorted(e for e in episodes if e.rollout_id):
         body = rec_pb.ModelEpisodeRecord(
             rows=rows.get(episode, ()),
             cuts=[*(v.to_pb() for v in parked.get(episode, ())), *restored.get(episode, ())],
             loaded_weight_version=weight_version,
         )
-        records.append(rec_pb.CheckpointRecord(episode_id=episode.to_pb(), model_episode=body))
-    return records
+        yield rec_pb.CheckpointRecord(episode_id=episode.to_pb(), model_episode=body)
 
 
 def _merge(into: tuple[list[rec_pb.CaptureRow], list[rec_pb.GenerationCut]], body: rec_pb.ModelEpisodeRecord) -> None:

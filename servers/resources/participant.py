@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -384,9 +384,8 @@ Results = tuple[tuple[str, Any], ...]
 def _session_records(
     fmt: SnapshotFormat | None,
     items: Sequence[tuple[str, HostKey, Results, Callable[[], bytes] | common_pb2.Task | None]],
-) -> list[rec_pb.CheckpointRecord]:
+) -> Iterator[rec_pb.CheckpointRecord]:
     """A capture's records (worker thread), by session id: replies, then the snapshot (or the seed task)."""
-    records = []
     for session_id, episode, results, state in sorted(items, key=lambda item: item[0]):
         body = rec_pb.ResourcesSessionRecord(session_id=session_id, replies=_replies(results))
         if isinstance(state, common_pb2.Task):
@@ -406,8 +405,7 @@ def _session_records(
                     sha256=hashlib.sha256(payload).hexdigest(),
                 )
             )
-        records.append(rec_pb.CheckpointRecord(episode_id=_key(episode).to_pb(), resources_session=body))
-    return records
+        yield rec_pb.CheckpointRecord(episode_id=_key(episode).to_pb(), resources_session=body)
 
 
 @dataclass(frozen=True)
@@ -433,26 +431,24 @@ def _export_tables(items: Sequence[_TableItem]) -> dict[str, Any]:
 
 def _table_records(
     fmt: SnapshotFormat, items: Sequence[_TableItem], exports: Mapping[str, Any]
-) -> list[rec_pb.CheckpointRecord]:
+) -> Iterator[rec_pb.CheckpointRecord]:
     """Worker thread, in the write: a manifest record per session, then each distinct block once (`collect`)."""
     from gymrpc.snapshots import collect
 
     items = sorted(items, key=lambda item: item.session_id)
     bundle = collect({item.session_id: exports[item.session_id] for item in items})
-    records: list[rec_pb.CheckpointRecord] = []
     first: dict[str, EpisodeKey] = {}
     for item in items:
         manifest = bundle.manifests[item.session_id]
         snapshot = rec_pb.TableSnapshot(format_name=fmt.name, format_version=fmt.version, manifest=manifest.to_json())
         replies = _replies(item.results)
         body = rec_pb.ResourcesSessionRecord(session_id=item.session_id, replies=replies, tables=snapshot)
-        records.append(rec_pb.CheckpointRecord(episode_id=item.episode.to_pb(), resources_session=body))
+        yield rec_pb.CheckpointRecord(episode_id=item.episode.to_pb(), resources_session=body)
         for digest in manifest.digests():
             first.setdefault(digest, item.episode)
     for digest, data in bundle.blocks.items():  # filed under the first episode naming it (see select)
         block = rec_pb.TableBlock(sha256=digest, data=data)
-        records.append(rec_pb.CheckpointRecord(episode_id=first[digest].to_pb(), table_block=block))
-    return records
+        yield rec_pb.CheckpointRecord(episode_id=first[digest].to_pb(), table_block=block)
 
 
 def _build_tables(

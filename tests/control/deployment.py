@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,14 +124,12 @@ class FakeAgent(Participant):
                 self.drop(episode)
 
 
-def _fake_records(steps: dict[EpisodeKey, int]) -> list[rec_pb.CheckpointRecord]:
-    out = []
+def _fake_records(steps: dict[EpisodeKey, int]) -> Iterator[rec_pb.CheckpointRecord]:
     for episode, count in sorted(steps.items()):
         record = rec_pb.CheckpointRecord(episode_id=episode.to_pb())
         record.other.type_url = AGENT_STATE_URL
         record.other.value = json.dumps({"steps": count}).encode()
-        out.append(record)
-    return out
+        yield record
 
 
 @dataclass

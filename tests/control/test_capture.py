@@ -9,10 +9,14 @@ run to its end), and none of it may reach the checkpoint.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from pathlib import Path
 
-from gymrpc.control import EpisodeKey, Kind, store
+import pytest
+
+from gymrpc.control import EpisodeKey, Kind, collection, store
+from gymrpc.controller import CoordinationError
 from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.messages import task_spec
 from gymrpc.servers.agent.participant import frozen
@@ -145,3 +149,42 @@ def test_a_counter_session_capture_is_its_export_at_the_capture() -> None:
     later = session.capture()
     session.call_tool("increment_counter", {"count": 2})
     assert later() == before != session.export()
+
+
+def test_the_collector_is_held_until_the_last_holder_releases_it_and_left_as_found() -> None:
+    first, second = object(), object()
+    assert gc.isenabled()
+    collection.hold(first)
+    collection.hold(first)  # a retried commit
+    collection.hold(second)
+    assert not gc.isenabled()
+    collection.release(first)
+    assert not gc.isenabled()
+    collection.release(second)
+    collection.release(second)
+    assert gc.isenabled()
+    assert not collection.held()
+
+
+def test_a_non_stop_commit_holds_the_collector_until_its_resume(tmp_path: Path) -> None:
+    async def main() -> None:
+        deployment: Deployment = await seeded()
+        controller = deployment.controller
+        try:
+            assert (await controller.prepare("c1", timeout=WAIT)).prepared
+            captured = await controller.capture("c1", tmp_path / "c1", EPISODES, timeout=WAIT)
+            assert collection.held()  # the episodes wait: no full collection now
+            await controller.resume("c1")
+            assert not collection.held()
+            assert gc.isenabled()
+            await controller.publish(captured)
+            assert (await controller.prepare("c2", timeout=WAIT)).prepared
+            with pytest.raises(CoordinationError):  # an invalid id: every commit fails, and lets go
+                await controller.capture("c2", tmp_path / "c2", [EpisodeKey("not/an/id", 0)], timeout=WAIT)
+            assert not collection.held()
+            await controller.resume("c2")
+            assert not collection.held()
+        finally:
+            await deployment.close()
+
+    asyncio.run(main())
