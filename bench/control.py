@@ -18,7 +18,8 @@ Measured, with `--episodes` in flight:
   the write. Non-stop (`Controller.capture`, resume, `Controller.publish`): they are parked only
   for the in-memory capture. For each: the time parked (commit's start to the end of the resume;
   the prepare before it is the figure above) and the time from commit's start to the published
-  index;
+  index; for non-stop, also the participants' captures alone (each plane's own timing, summed:
+  they share this process's event loop, so the pause holds their sum);
 - Restore: into freshly started participants, all or nothing, wall time; then resume;
 - bytes per episode: the records files' size (manifests' `size_bytes`) over the episodes, per kind.
 
@@ -131,6 +132,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         staged_ms: list[float] = []
         parked_ms: dict[str, list[float]] = {"stop": [], "nonstop": []}
         publish_ms: dict[str, list[float]] = {"stop": [], "nonstop": []}
+        capture_ms: list[float] = []
         manifests: dict[str, Any] = {}
         controller = deployment.controller
         for round_ in range(args.rounds):
@@ -153,6 +155,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 captured = await controller.capture(checkpoint_id, folder, keys, timeout=120)
                 await controller.resume(checkpoint_id)
                 resumed = time.perf_counter()
+                captures = [node.plane.capture_seconds(checkpoint_id) for node in deployment.nodes.values()]
+                capture_ms.append(sum(s or 0.0 for s in captures) * 1000)
                 manifests, _ = await controller.publish(captured)
                 mode, published = "nonstop", time.perf_counter()
             parked_ms[mode].append((resumed - started) * 1000)
@@ -193,6 +197,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 for mode in ("stop", "nonstop")
             },
+            "capture_ms_summed": {"median": statistics.median(capture_ms), "max": max(capture_ms)},
             "restore_ms": restore_ms,
             "bytes_per_episode": total_bytes / args.episodes,
             "bytes_per_episode_by_kind": {k: v / args.episodes for k, v in sorted(bytes_by_kind.items())},
@@ -218,6 +223,8 @@ def report(r: dict[str, Any]) -> str:
                 f"{c['n']} checkpoints"
                 for label, c in (("stop-the-world", commit["stop"]), ("non-stop      ", commit["nonstop"]))
             ),
+            f"non-stop, the participants' captures alone (summed): median {r['capture_ms_summed']['median']:.1f} ms "
+            f"(max {r['capture_ms_summed']['max']:.1f})",
             f"parked time, non-stop over stop-the-world: "
             f"{commit['nonstop']['parked_median'] / commit['stop']['parked_median']:.2f}x",
             f"restore into fresh participants: {r['restore_ms']:.1f} ms",

@@ -7,6 +7,7 @@ passes one of these checks; failures are `InvalidArgument` with the field named.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from gymrpc.errors import InvalidArgument
 
@@ -39,6 +40,15 @@ def check_id(value: str, field: str) -> str:
             metadata={"field": field, "value": value},
         )
     return value
+
+
+_ROLLOUT_IDS = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,127}\n)*")
+"""`ROLLOUT_ID` repeated, each one ended by a newline (which no id holds)."""
+
+
+def all_ids_valid(values: Sequence[str]) -> bool:
+    """Whether `check_id` accepts every one of `values`, in one regex pass: cheap for thousands of ids."""
+    return not values or _ROLLOUT_IDS.fullmatch("\n".join(values) + "\n") is not None
 
 
 def check_attempt(value: int, field: str) -> int:

@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from gymrpc.control import ControlPlane, Participant
+from gymrpc.control import ControlPlane, Participant, collection
 from gymrpc.control.index import manifest_path
 from gymrpc.control.plane import DEFAULT_LEASE_GRACE, Placement
 from gymrpc.control.types import episode_keys
@@ -70,16 +70,22 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         return pb.RenewResponse(lease_expire_time=timestamp(expires))
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
-        listed = frozenset(episode_keys(request.episode_ids))
-        scope = listed if request.explicit_scope or listed else None
-        manifest = await self.plane.commit(
-            request.checkpoint_id,
-            _deadline(request),
-            request.checkpoint_dir,
-            scope,
-            request.stop,
-            background=request.persist_in_background,
-        )
+        if background := request.persist_in_background:
+            collection.hold(self.plane)  # until the resume: no full collection while the episodes wait
+        try:
+            listed = frozenset(episode_keys(request.episode_ids))
+            scope = listed if request.explicit_scope or listed else None
+            manifest = await self.plane.commit(
+                request.checkpoint_id,
+                _deadline(request),
+                request.checkpoint_dir,
+                scope,
+                request.stop,
+                background=background,
+            )
+        except BaseException:
+            collection.release(self.plane)
+            raise
         if manifest is None:  # captured; `Persist` reports the manifest once written
             return pb.CommitResponse(phase=pb.PARTICIPANT_PHASE_COMMITTED, persisting=True)
         return pb.CommitResponse(

@@ -11,8 +11,9 @@ session must carry it to `verify` and a bad task should fail before any rollout.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gymrpc.envkit import (
@@ -89,8 +90,16 @@ class CounterSession(Session):
         )
 
     def export(self) -> bytes:
-        state = {"count": self.count, "expected_count": self.expected_count}
-        return json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+        return _encode(self.count, self.expected_count)
+
+    def capture(self) -> Callable[[], bytes]:
+        """Two integers: taken now, encoded when the checkpoint is written."""
+        return functools.partial(_encode, self.count, self.expected_count)
+
+
+def _encode(count: int, expected_count: int) -> bytes:
+    state = {"count": count, "expected_count": expected_count}
+    return json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
 
 
 class CounterEnvironment(Environment):

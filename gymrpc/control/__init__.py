@@ -6,12 +6,12 @@
 - `admission`: the data-plane gate prepare closes.
 - `lease`: the open checkpoint's lease, which aborts it when the controller goes silent.
 - `replay`: first replies of completed control calls, for retries.
-- `participant`: the hook ABC each role implements.
+- `participant`: the hook ABC each role implements, and `Capture`, what a commit takes.
 - `store`: one records file, then the manifest, last and create-only.
 - `plane`: `ControlPlane`, which drives a participant through all of it.
 """
 
-from gymrpc.control.participant import Participant, Scope
+from gymrpc.control.participant import Capture, Participant, Scope
 from gymrpc.control.plane import ControlPlane, Status
 from gymrpc.control.types import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind, Phase, Report
 
@@ -19,6 +19,7 @@ __all__ = [
     "PREPARE_ORDER",
     "RESUME_ORDER",
     "RETIRE_ORDER",
+    "Capture",
     "ControlPlane",
     "EpisodeKey",
     "Kind",

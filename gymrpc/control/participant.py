@@ -11,8 +11,12 @@ Contract of each hook, as the plane relies on it:
 - `readiness`: cheap and synchronous (every Prepare and every wake of a waiting one calls
   it): no scan of every episode or session, only of what is moving; call `changed.notify()`
   whenever it may have changed. Counts that need a scan go in `status_counts` (GetStatus only).
-- `export(scope)`: called once per checkpoint, while prepared and ready; returns the records
-  of the episodes in `scope` (None: every parked episode). Must not change state.
+- `capture(scope)`: called once per checkpoint, while prepared and ready (the episodes are
+  parked for it, so it must be cheap); returns a `Capture` of the episodes in `scope` (None:
+  every parked episode): references to state that is never changed in place, or copies of
+  what is. Must not change state. Its `records()` builds the records later, in a worker
+  thread while the episodes run again. `export(scope)` is `capture(scope).records()`; a role
+  may implement `export` alone (its capture then builds the records at once).
 - `select(records, scope)`: the records a restore passes to `stage` (default: those of
   the episodes in `scope`; a role whose records are shared by episodes keeps those too).
 - `placement_key(record)`: the affinity key clients route the record's calls by; a restore
@@ -33,7 +37,8 @@ What the hooks mean for an agent (kind AGENT; resources and model are implemente
 - readiness: a blocker is an episode between boundaries. An episode waiting on `Generate`
   counts as parked at the boundary before the call (the model holds or cuts the response);
   a running tool call, or a verify in `wait` mode, blocks; a `replay` verify does not.
-- export: one record per parked episode in scope, its `EpisodeState` at that boundary in
+- capture: a copy of each parked episode's `EpisodeState` at that boundary (its lists copied,
+  their messages shared); `records()` makes one record per episode in scope from it, in
   `CheckpointRecord.other` (or a new typed field of the record).
 - stage/install: restored episodes wait as attempt N+1 until a re-dispatched `Run` of that
   attempt claims one and continues from its boundary; `delete_restored` frees the unclaimed.
@@ -43,7 +48,8 @@ What the hooks mean for an agent (kind AGENT; resources and model are implemente
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gymrpc.control.admission import Admission, Notifier
@@ -53,6 +59,32 @@ from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 
 Scope = frozenset[EpisodeKey] | None
 """Episodes a commit continues; None means every parked episode."""
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A participant's state in a commit scope as it stood at the capture; its records are built later.
+
+    Taken while the episodes are parked (`Participant.capture`), so taking it costs references
+    and small copies, not serialisation. `records()` may run in a worker thread while the
+    episodes go on, and more than once (a failed write is retried from the same capture): `build`
+    reads only what the capture holds, never the participant's live state, and returns equal
+    records every time.
+    """
+
+    build: Callable[[], Iterable[rec_pb.CheckpointRecord]]
+    """Makes the records one by one (a generator): the write pauses between them to let the event loop run."""
+    episodes: int = 0
+    """How many episodes (or sessions) it holds, for logs."""
+
+    def records(self) -> list[rec_pb.CheckpointRecord]:
+        return list(self.build())
+
+    @classmethod
+    def of(cls, records: Sequence[rec_pb.CheckpointRecord]) -> Capture:
+        """A capture whose records were built at once (a role that implements `export` only)."""
+        built = list(records)
+        return cls(lambda: list(built), len(built))
 
 
 class Participant(abc.ABC):
@@ -89,9 +121,22 @@ class Participant(abc.ABC):
 
     # -- commit ------------------------------------------------------------------------------
 
-    @abc.abstractmethod
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.capture is Participant.capture and cls.export is Participant.export:
+            raise TypeError(f"{cls.__name__} must implement capture (or export)")
+
+    async def capture(self, scope: Scope) -> Capture:
+        """The state of the parked episodes in `scope`, cheap to take; see `Capture`.
+
+        The default builds the records at once (`export`): a role whose records are cheap may
+        implement `export` alone.
+        """
+        return Capture.of(await self.export(scope))
+
     async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
-        """Records of the parked episodes in `scope`, one or more per episode."""
+        """Records of the parked episodes in `scope`, one or more per episode: `capture(scope).records()`."""
+        return (await self.capture(scope)).records()
 
     async def delete_restored(self, scope: Scope) -> None:  # noqa: B027 - optional hook
         """Free restored-but-unclaimed state of episodes outside `scope` (no mark)."""

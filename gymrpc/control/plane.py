@@ -5,14 +5,19 @@ plane adds what must be the same everywhere:
 - phases and fencing (`fencing.Fence`), under one lock so control calls never interleave;
 - replay: a completed prepare, commit, restore, retire or forget, retried with the same
   arguments, gets its first reply; the same id with other arguments is CHECKPOINT_CONFLICT;
-- one export and one write per checkpoint: a commit retried after a failed store step
-  stores the same records again; a write that outlives its deadline keeps running
-  (shielded), and a retry waits for it;
-- a commit with `background` replies once the export (the capture: an immutable copy of the
-  records) is taken, so the controller can resume the episodes at once; the write starts on
-  that resume (or the first `persist`) and runs on its own, untouched by the resume, and
-  `persist` waits for its manifest. A process that restarted has no such write and says so
-  (CHECKPOINT_INCOMPLETE): the controller then never publishes the checkpoint;
+- one capture and one write per checkpoint: the capture (`Participant.capture`) is all the
+  commit does while the episodes are parked; the write builds the records from it
+  (`Capture.records`, in a worker thread) and stores them. A commit retried after a failed
+  store step stores the same capture again; a write that outlives its deadline keeps
+  running (shielded), and a retry waits for it;
+- a commit with `background` replies once the capture is taken, so the controller can
+  resume the episodes at once; the write starts on the first `persist` (which the
+  controller sends once everyone is resumed), or by itself `WRITE_AFTER_RESUME` seconds
+  after the resume, and runs on its own, untouched by the resume; `persist` waits for its
+  manifest. A
+  process that restarted has no such write and says so (CHECKPOINT_INCOMPLETE): the
+  controller then never publishes the checkpoint. At most `MAX_UNFINISHED_CAPTURES` such
+  writes are unfinished at once; one more background commit is RESOURCE_EXHAUSTED;
 - a lease, `max(lease, deadline + lease_grace)`, renewed by every control call; when it
   runs out in any phase but idle the plane aborts by itself (as a resume would), so a
   controller that vanished never leaves admission closed;
@@ -26,6 +31,7 @@ plane adds what must be the same everywhere:
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import logging
 import math
@@ -39,20 +45,20 @@ from pathlib import Path
 from typing import Any
 
 from gymrpc.balancing import place
-from gymrpc.control import store
+from gymrpc.control import collection, store
 from gymrpc.control.faults import armed, crash_point
 from gymrpc.control.fencing import Fence, Op, ResumeOutcome
 from gymrpc.control.lease import Lease
-from gymrpc.control.participant import Participant, Scope
+from gymrpc.control.participant import Capture, Participant, Scope
 from gymrpc.control.replay import Replies, conflict
 from gymrpc.control.types import EpisodeKey, Kind, Phase, Report
 from gymrpc.errors import (
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
-    GymrpcError,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
 from gymrpc.ids import check_endpoint_id, check_id, check_service_name
@@ -62,7 +68,12 @@ from gymrpc.v1 import participant_service_pb2 as pb
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_GRACE = 120.0
 REMEMBERED_PERSISTS = 16
-"""Background writes kept for `persist` (their manifests); unfinished ones are never dropped."""
+"""Finished background writes kept for `persist` (their manifests, or their captures to write again)."""
+WRITE_AFTER_RESUME = 1.0
+"""Seconds after its resume a captured write starts if no `persist` started it first (a controller that
+vanished): the controller persists once every participant is resumed, so writes never slow the resumes."""
+MAX_UNFINISHED_CAPTURES = 8
+"""Background writes not finished yet, each holding its capture in memory; a commit past it is refused."""
 PERMANENT_ERRNOS = frozenset(
     {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP}
 )
@@ -98,26 +109,47 @@ class Placement:
     """The replica the request is meant for (a stale address reaches another); empty: not checked."""
 
 
+class _Stage(enum.Enum):
+    """Where a checkpoint's write stands."""
+
+    CAPTURED = "captured"
+    """A background commit took its capture; the write starts on the first `persist` (or a moment after
+    the resume), so building and hashing the records never competes with the captures and the resumes."""
+    WRITING = "writing"
+    """`task` builds and writes the records (or ended, and no `persist` reported it yet)."""
+    WRITTEN = "written"
+    """The manifest is durable; the capture was let go."""
+    FAILED = "failed"
+    """A `persist` reported the write's failure: the next one writes the same capture again."""
+
+
 @dataclass
 class _Write:
-    """The one export and write of a checkpoint; a retried commit reuses it."""
+    """The one capture and write of a checkpoint; a retried commit reuses it."""
 
     checkpoint_id: str
     args: tuple[Any, ...]
-    records: list[rec_pb.CheckpointRecord]
+    capture: Capture | None
+    """What the records are built from; let go once they are durable (a failed write keeps it, to retry)."""
+    background: bool = False
+    """Taken by a `background` commit: the write outlives the resume, `persist` reports it."""
+    stage: _Stage = _Stage.CAPTURED
     stop: store.WriteStop = field(default_factory=store.WriteStop)
     task: asyncio.Task[pb.CheckpointManifest] | None = None
-    export_s: float = 0.0
-    """Time the capture took (episodes stay parked for it; a commit that only captured could resume here)."""
+    capture_s: float = 0.0
+    """Time the capture took (the episodes stay parked for it; a background commit resumes here)."""
+    build_s: float = 0.0
+    """Time building the records from the capture took, in the write."""
     write_s: float = 0.0
-    """Time the records file and manifest took (write, fsync), after the capture."""
-    background: bool = False
-    """Captured by a `background` commit: the write outlives the resume, `persist` reports it."""
-    released: asyncio.Event = field(default_factory=asyncio.Event)
-    """A background write starts once its checkpoint is resumed (or asked to `persist`): the write's
-    serialization and hashing never compete with the captures and the resume the episodes wait for."""
-    failure_seen: bool = False
-    """A `persist` reported its write's failure: the next one starts the write again."""
+    """Time the records file and manifest took (write, fsync), after the records were built."""
+
+    @property
+    def root(self) -> Path:
+        return Path(self.args[0])
+
+    @property
+    def unfinished(self) -> bool:
+        return self.task is None or not self.task.done()
 
 
 class ControlPlane:
@@ -165,6 +197,7 @@ class ControlPlane:
         self.lease.start()
 
     async def close(self) -> None:
+        collection.release(self)
         await self.lease.close()
 
     # -- queries -----------------------------------------------------------------------------
@@ -179,7 +212,7 @@ class ControlPlane:
             details["last_abort"] = self.last_abort
         if self.awaiting_restore:
             details["awaiting_restore"] = "true"
-        if writing := sum(1 for w in self._persisting.values() if w.task is not None and not w.task.done()):
+        if writing := sum(1 for w in self._persisting.values() if w.unfinished):
             details["persisting"] = str(writing)
         report = self.readiness()
         if extra := self.participant.status_counts():
@@ -267,9 +300,9 @@ class ControlPlane:
         stop: bool = False,
         background: bool = False,
     ) -> pb.CheckpointManifest | None:
-        """Export once, write the records file, then the manifest; all before `deadline`.
+        """Capture once, build and write the records file, then the manifest; all before `deadline`.
 
-        `background`: reply (None) right after the export, so the episodes parked for it can
+        `background`: reply (None) right after the capture, so the episodes parked for it can
         resume; the write goes on and `persist` returns its manifest.
         """
         check_id(checkpoint_id, "checkpoint_id")
@@ -283,17 +316,19 @@ class ControlPlane:
             self.lease.renew(deadline)
             write = self._write
             if write is None or write.checkpoint_id != checkpoint_id:
+                if background:
+                    self._check_room(checkpoint_id)
                 started = time.perf_counter()
-                write = _Write(checkpoint_id, args, await self._export(scope))
-                write.export_s = time.perf_counter() - started
+                capture = await self._capture(scope)
+                write = _Write(checkpoint_id, args, capture, background=background)
+                write.capture_s = time.perf_counter() - started
                 self._write = write
             elif write.args != args:
                 raise conflict(checkpoint_id, "was already committed to another directory or scope")
             if background:
-                return await self._captured(root, write, scope, stop)
+                return await self._captured(write, scope, stop)
             if write.task is None or _failed(write.task):
-                write.task = asyncio.get_running_loop().create_task(self._store(root, write))
-                write.task.add_done_callback(_retrieved)  # a write nobody awaits any more may still fail
+                self._start(write)
         try:
             async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
                 manifest = await asyncio.shield(write.task)
@@ -318,26 +353,46 @@ class ControlPlane:
                     "checkpoint_id": checkpoint_id,
                     "records": manifest.record_count,
                     "bytes": manifest.size_bytes,
-                    "export_ms": round(write.export_s * 1e3, 1),
+                    "capture_ms": round(write.capture_s * 1e3, 1),
+                    "build_ms": round(write.build_s * 1e3, 1),
                     "write_ms": round(write.write_s * 1e3, 1),
                 },
             )
             return manifest
 
-    async def _captured(self, root: Path, write: _Write, scope: Scope, stop: bool) -> None:
-        """A background commit's capture is taken (under the lock): start its write and commit.
+    def _check_room(self, checkpoint_id: str) -> None:
+        """RESOURCE_EXHAUSTED when `MAX_UNFINISHED_CAPTURES` background writes are unfinished (under the lock)."""
+        unfinished = [k for k, w in self._persisting.items() if w.unfinished]
+        if len(unfinished) >= MAX_UNFINISHED_CAPTURES:
+            raise ResourceExhausted(
+                f"{self.name} holds the captures of {len(unfinished)} checkpoints whose writes have not finished "
+                f"({', '.join(unfinished[:4])}{' ...' if len(unfinished) > 4 else ''}), its limit; checkpoint "
+                f"{checkpoint_id!r} was not captured: wait for those writes (persist them), then commit again",
+                metadata={"checkpoint_id": checkpoint_id, "unfinished": str(len(unfinished))},
+            )
+
+    def _start(self, write: _Write) -> None:
+        """Start (or start again) the write of `write`'s capture (under the lock)."""
+        write.stage = _Stage.WRITING
+        write.task = asyncio.get_running_loop().create_task(self._store(write))
+        write.task.add_done_callback(_retrieved)  # a write nobody awaits any more may still fail
+
+    def _start_captured(self, write: _Write) -> None:
+        """Start a captured write no `persist` started yet (no await: atomic with the lock's holders)."""
+        if write.stage is _Stage.CAPTURED and self._persisting.get(write.checkpoint_id) is write:
+            self._start(write)
+
+    async def _captured(self, write: _Write, scope: Scope, stop: bool) -> None:
+        """A background commit's capture is taken (under the lock): remember it and commit.
 
         The write leaves `_write`, so a resume no longer stops it: once captured, the records
-        are this checkpoint's whatever the episodes do next.
+        are this checkpoint's whatever the episodes do next. It starts on `persist`.
         """
         checkpoint_id = write.checkpoint_id
-        write.background = True
         self._write = None
-        write.task = asyncio.get_running_loop().create_task(self._store(root, write))
-        write.task.add_done_callback(_retrieved)
         self._persisting[checkpoint_id] = write
         self._persisting.move_to_end(checkpoint_id)
-        done = [k for k, w in self._persisting.items() if w.task is not None and w.task.done()]
+        done = [k for k, w in self._persisting.items() if not w.unfinished]
         for old in done[: max(len(self._persisting) - REMEMBERED_PERSISTS, 0)]:
             del self._persisting[old]
         await self.participant.delete_restored(scope)
@@ -349,16 +404,21 @@ class ControlPlane:
             "captured",
             extra={
                 "checkpoint_id": checkpoint_id,
-                "records": len(write.records),
-                "export_ms": round(write.export_s * 1e3, 1),
+                "episodes": write.capture.episodes if write.capture is not None else 0,
+                "capture_ms": round(write.capture_s * 1e3, 1),
             },
         )
+
+    def capture_seconds(self, checkpoint_id: str) -> float | None:
+        """How long the capture of a background commit still remembered here took (for benchmarks)."""
+        write = self._persisting.get(checkpoint_id)
+        return None if write is None else write.capture_s
 
     async def persist(self, checkpoint_id: str, deadline: float) -> pb.CheckpointManifest:
         """The manifest of a background commit's write, once durable (waits until `deadline`).
 
         Any phase: the checkpoint is usually resumed by now. A write whose failure a persist
-        already reported is started again from the same captured records. No such commit here
+        already reported is started again from the same capture. No such commit here
         (this process restarted after the capture, or never committed it): CHECKPOINT_INCOMPLETE,
         the checkpoint cannot be published.
         """
@@ -366,34 +426,33 @@ class ControlPlane:
         self._check_deadline(deadline)
         async with self._lock:
             write = self._persisting.get(checkpoint_id)
-            if write is None or write.task is None:
+            if write is None:
                 raise FailedPrecondition(
                     f"{self.name} holds no captured commit of checkpoint {checkpoint_id!r} (this process "
                     f"restarted after the capture, or it was never committed here); it cannot be published",
                     reason="CHECKPOINT_INCOMPLETE",
                     metadata={"checkpoint_id": checkpoint_id, "name": self.name},
                 )
-            if _failed(write.task) and write.failure_seen:
-                write.failure_seen = False
-                write.task = asyncio.get_running_loop().create_task(self._store(Path(write.args[0]), write))
-                write.task.add_done_callback(_retrieved)
+            if write.stage in (_Stage.CAPTURED, _Stage.FAILED):  # its first persist, or a failure reported
+                self._start(write)
             task = write.task
-            write.released.set()  # a controller that persists without resuming (a `stop` commit)
+            assert task is not None
         try:
             async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
                 manifest = await asyncio.shield(task)
-        except GymrpcError:
-            write.failure_seen = True
-            raise
         except TimeoutError:
             raise DeadlineExceeded(
                 f"the write of checkpoint {checkpoint_id!r} did not finish by the deadline; it continues, "
                 "and a retried persist waits for it",
                 metadata={"checkpoint_id": checkpoint_id},
             ) from None
+        except Exception:
+            if write.task is task:
+                write.stage = _Stage.FAILED  # reported: the next persist writes again
+            raise
         return manifest
 
-    async def _export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
+    async def _capture(self, scope: Scope) -> Capture:
         report = self.readiness()
         if not report.ready:
             raise FailedPrecondition(
@@ -407,31 +466,25 @@ class ControlPlane:
                 reason="RESTART_IN_SCOPE",
                 metadata={"episodes": ",".join(map(str, named[:10]))},
             )
-        return await self.participant.export(scope)
+        return await self.participant.capture(scope)
 
-    async def _store(self, root: Path, write: _Write) -> pb.CheckpointManifest:
-        if write.background:
-            await write.released.wait()
-            if armed("persist_before_write"):  # the controller resumed on the capture alone
-                crash_point("persist_before_write")
+    async def _store(self, write: _Write) -> pb.CheckpointManifest:
+        """Build the records from the capture and write them, in a worker thread."""
+        root = write.root
+        if write.background and armed("persist_before_write"):  # the controller resumed on the capture alone
+            crash_point("persist_before_write")
         started = time.perf_counter()
         try:
-            manifest = await asyncio.to_thread(
-                store.write_checkpoint,
-                root,
-                self.kind,
-                self.name,
-                write.checkpoint_id,
-                write.records,
-                write.stop,
-                self.endpoint_id,
-            )
-            if write.background:  # durable: the capture is no longer needed (a failed one is kept to retry)
-                write.records = []
+            manifest = await asyncio.to_thread(self._build_and_write, write)
+            write.capture, write.stage = None, _Stage.WRITTEN
+            if write.background:
                 log.info(
                     "persisted",
                     extra={
                         "checkpoint_id": write.checkpoint_id,
+                        "records": manifest.record_count,
+                        "bytes": manifest.size_bytes,
+                        "build_ms": round(write.build_s * 1e3, 1),
                         "write_ms": round((time.perf_counter() - started) * 1e3, 1),
                     },
                 )
@@ -455,7 +508,18 @@ class ControlPlane:
                 reason="BACKEND_FAILURE",
             ) from None
         finally:
-            write.write_s = time.perf_counter() - started
+            write.write_s = time.perf_counter() - started - write.build_s
+
+    def _build_and_write(self, write: _Write) -> pb.CheckpointManifest:
+        """Worker thread: the capture's records, then the records file and the manifest."""
+        capture = write.capture
+        assert capture is not None, "a written capture is not written again"
+        started = time.perf_counter()
+        records = list(store.yielding(capture.build()))
+        write.build_s = time.perf_counter() - started
+        return store.write_checkpoint(
+            write.root, self.kind, self.name, write.checkpoint_id, records, write.stop, self.endpoint_id
+        )
 
     # -- resume ------------------------------------------------------------------------------
 
@@ -476,8 +540,10 @@ class ControlPlane:
             return False
 
     async def _reopen(self, checkpoint_id: str) -> None:
-        if (captured := self._persisting.get(checkpoint_id)) is not None:
-            captured.released.set()  # its write goes on: the capture is the commit
+        collection.release(self)  # held since a background commit (`gymrpc.control.collection`)
+        if (captured := self._persisting.get(checkpoint_id)) is not None and captured.stage is _Stage.CAPTURED:
+            # Its write goes on (the capture is the commit): on persist, or soon without one.
+            asyncio.get_running_loop().call_later(WRITE_AFTER_RESUME, self._start_captured, captured)
         write, self._write = self._write, None
         if write is not None:
             await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from gymrpc.ids import check_attempt, check_id
+from gymrpc.ids import MAX_ATTEMPT, all_ids_valid, check_attempt, check_id
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import participant_service_pb2 as pb
 
@@ -49,11 +49,20 @@ class EpisodeKey(NamedTuple):
 
 
 def episode_keys(episode_ids: Iterable[common_pb2.EpisodeId], field: str = "episode_ids") -> list[EpisodeKey]:
-    """Validate a repeated `EpisodeId` field; duplicates collapse, order is kept."""
-    out: dict[EpisodeKey, None] = {}
-    for index, episode_id in enumerate(episode_ids):
-        out[EpisodeKey.of(episode_id, f"{field}[{index}]")] = None
-    return list(out)
+    """Validate a repeated `EpisodeId` field; duplicates collapse, order is kept.
+
+    A commit names every episode in flight while they are parked, so this checks them all in
+    one pass (`all_ids_valid`) and looks at each one alone only to name the first invalid one.
+    """
+    pairs = [(e.rollout_id, e.attempt) for e in episode_ids]
+    if pairs:
+        attempts = [a for _, a in pairs]
+        if not (all_ids_valid([r for r, _ in pairs]) and min(attempts) >= 0 and max(attempts) <= MAX_ATTEMPT):
+            for index, (rollout_id, attempt) in enumerate(pairs):
+                check_id(rollout_id, f"{field}[{index}].rollout_id")
+                check_attempt(attempt, f"{field}[{index}].attempt")
+    new = tuple.__new__  # what EpisodeKey(...) does, without its Python-level __new__
+    return list(dict.fromkeys([new(EpisodeKey, pair) for pair in pairs]))
 
 
 class Phase(enum.IntEnum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -125,6 +125,19 @@ class Session(abc.ABC):
     def export(self) -> bytes:
         """Encode the whole session state; `Environment.restore` must invert it exactly."""
         raise SnapshotUnsupported(f"{type(self).__name__} cannot export its state")
+
+    def capture(self) -> Callable[[], bytes]:
+        """The state as it is now, encoded later: a function that returns what `export()` returns now.
+
+        A coordinated checkpoint that does not stop the world calls `capture` while the episodes
+        are parked, and the function only once they run again (in a worker thread, perhaps more
+        than once), so the function must not read the session (it may have changed, or closed).
+        The default encodes at once (`export`, in the host's thread pool unless `runs_inline`).
+        Override it when taking the state costs less than encoding it (copy a few numbers, keep
+        an immutable value): the override runs on the server's event loop and must not block.
+        """
+        payload = self.export()
+        return lambda: payload
 
     def close(self) -> None:  # noqa: B027 - optional hook, default does nothing
         """Free resources held by the session."""

@@ -7,7 +7,9 @@ What each hook means here (the contract is `gymrpc.control.participant`):
 - readiness: an episode between boundaries blocks, except one waiting on `Generate`
   (the model, prepared before us, holds or cuts the reply, so the state is still the
   boundary before the call) and one in a `replay` verify (the restored agent verifies again).
-- export: each parked episode's `EpisodeState`, as an `EpisodeCheckpoint` packed in
+- capture: a copy of each parked episode's `EpisodeState` (`frozen`: its lists copied, the
+  messages in them shared, since the loop never changes one once appended) and the restored
+  records in scope. The write makes each an `EpisodeCheckpoint` packed in
   `CheckpointRecord.other`. The record's inner `episode_id` carries the rollout id only:
   the attempt is the outer record's, so a restored-but-unclaimed episode exports the very
   bytes it was restored from (a second checkpoint equals the first).
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gymrpc import tracing
-from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
+from gymrpc.control import Capture, EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.errors import AlreadyExists, DataLoss, GymrpcError
 from gymrpc.pbtime import duration
 from gymrpc.servers.agent.checkpoint import check_running, new_record, record_boundary, restore_state
@@ -191,22 +194,15 @@ class AgentParticipant(Participant):
 
     # -- commit ------------------------------------------------------------------------------
 
-    async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
-        out: dict[EpisodeKey, EpisodeCheckpoint] = {}
+    async def capture(self, scope: Scope) -> Capture:
+        now = asyncio.get_running_loop().time()
+        parked: list[tuple[EpisodeKey, EpisodeState, str, float]] = []
         for key, live in self._live.items():
             if (scope is None or key in scope) and live.state.phase not in (Phase.NEW, Phase.COMPLETED):
                 since = live.parked_since if live.held is None else live.held[0]
-                parking = 0.0 if since is None else asyncio.get_running_loop().time() - since
-                out[key] = boundary_record(live.state, live.fingerprint, parking)
-        for key, restored in self._restored.items():
-            if scope is None or key in scope:
-                out[key] = restored
-        records = []
-        for key in sorted(out):
-            record = rec_pb.CheckpointRecord(episode_id=key.to_pb())
-            record.other.Pack(out[key])
-            records.append(record)
-        return records
+                parked.append((key, frozen(live.state), live.fingerprint, 0.0 if since is None else now - since))
+        restored = [(k, r) for k, r in self._restored.items() if scope is None or k in scope]  # never changed
+        return Capture(functools.partial(_records, parked, restored), len(parked) + len(restored))
 
     async def delete_restored(self, scope: Scope) -> None:
         if scope is not None:
@@ -265,6 +261,39 @@ class AgentParticipant(Participant):
 
     def details(self) -> dict[str, str]:
         return {"running": str(len(self._live)), "restored_pending": str(len(self._restored))}
+
+
+def frozen(state: EpisodeState) -> EpisodeState:
+    """A copy of `state` that the episode's next steps leave as it is, cheap enough to take for every episode.
+
+    The loop only appends to the state's lists or replaces them, never changes a message or call
+    record once appended, and adds to `usage` in place: the lists are copied (their items shared)
+    and `usage` is copied; every other field is a number, a string or a message that is replaced.
+    """
+    copy = object.__new__(EpisodeState)
+    fields = copy.__dict__
+    fields.update(state.__dict__)
+    for name in _LISTS:
+        fields[name] = list(fields[name])
+    usage = fields["usage"] = type(state.usage)()
+    usage.CopyFrom(state.usage)
+    return copy
+
+
+_LISTS = ("tools", "messages", "pending_tool_calls", "model_calls", "tool_calls")
+
+
+def _records(
+    parked: Sequence[tuple[EpisodeKey, EpisodeState, str, float]],
+    restored: Sequence[tuple[EpisodeKey, EpisodeCheckpoint]],
+) -> Iterator[rec_pb.CheckpointRecord]:
+    """A capture's records (worker thread), by episode: a restored record as it was, else the boundary."""
+    states = {key: (state, request_fingerprint, parking) for key, state, request_fingerprint, parking in parked}
+    kept = dict(restored)
+    for key in sorted(states.keys() | kept.keys()):
+        record = rec_pb.CheckpointRecord(episode_id=key.to_pb())
+        record.other.Pack(kept[key] if key in kept else boundary_record(*states[key]))
+        yield record
 
 
 def boundary_record(state: EpisodeState, request_fingerprint: str, parking: float = 0.0) -> EpisodeCheckpoint:

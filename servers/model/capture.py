@@ -21,7 +21,7 @@ import hashlib
 import json
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from gymrpc.control import EpisodeKey
@@ -68,31 +68,69 @@ class Generation:
     spans: list[tuple[str, int, int]] = field(default_factory=list)
     """Which weights produced which of `token_ids` (`gymrpc.servers.model.spans`)."""
 
-    def to_cut(self) -> rec_pb.GenerationCut:
+    def view(self) -> CutView:
+        """The generation as it stands (parked: cut or held), unchanged by what it does next."""
         complete = self.state == "held"
-        return rec_pb.GenerationCut(
-            request_digest=self.digest,
-            source_request_id=self.request_id,
-            prefix_token_ids=self.token_ids,
-            prefix_logprobs=self.logprobs or (),
+        return CutView(
+            digest=self.digest,
+            request_id=self.request_id,
+            token_ids=tuple(self.token_ids),
+            logprobs=tuple(self.logprobs or ()),
             complete=complete,
             finish_reason=FINISH_PB[self.finish] if complete and self.finish else common_pb2.FINISH_REASON_UNSPECIFIED,
             weight_version=self.weight_version,
         )
 
 
+@dataclass(frozen=True)
+class CutView:
+    """A parked generation at a capture: copies of its token lists, made into a `GenerationCut` later."""
+
+    digest: str
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    complete: bool
+    finish_reason: int
+    weight_version: str
+
+    def to_pb(self) -> rec_pb.GenerationCut:
+        return rec_pb.GenerationCut(
+            request_digest=self.digest,
+            source_request_id=self.request_id,
+            prefix_token_ids=self.token_ids,
+            prefix_logprobs=self.logprobs,
+            complete=self.complete,
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            weight_version=self.weight_version,
+        )
+
+
 class CaptureLedger:
-    """Rows of delivered calls per episode attempt, in delivery order."""
+    """Rows of delivered calls per episode attempt, in delivery order.
+
+    Its row and token counts are kept as it changes: GetStatus reports them, and a controller
+    asks for them while the episodes are parked for a capture.
+    """
 
     def __init__(self, max_episodes: int = MAX_LEDGER_EPISODES) -> None:
         self.max_episodes = max_episodes
         self._rows: OrderedDict[EpisodeKey, list[rec_pb.CaptureRow]] = OrderedDict()
+        self._count = 0
+        self._tokens = 0
 
     def record(self, episode: EpisodeKey, row: rec_pb.CaptureRow) -> None:
         self._rows.setdefault(episode, []).append(row)
         self._rows.move_to_end(episode)
+        self._count += 1
+        self._tokens += len(row.tokens.completion_token_ids)
         while len(self._rows) > self.max_episodes:
-            self._rows.popitem(last=False)
+            self._forget(self._rows.popitem(last=False)[1])
+
+    def _forget(self, rows: Iterable[rec_pb.CaptureRow]) -> None:
+        for row in rows:
+            self._count -= 1
+            self._tokens -= len(row.tokens.completion_token_ids)
 
     def rows(self, episode: EpisodeKey) -> list[rec_pb.CaptureRow]:
         return list(self._rows.get(episode, ()))
@@ -100,18 +138,30 @@ class CaptureLedger:
     def episodes(self) -> list[EpisodeKey]:
         return list(self._rows)
 
+    def frozen(self, episodes: Collection[EpisodeKey] | None = None) -> dict[EpisodeKey, tuple[rec_pb.CaptureRow, ...]]:
+        """The rows of `episodes` (None: every episode) as they are now; a row is never changed once recorded."""
+        rows = self._rows
+        if episodes is None:
+            return {e: tuple(r) for e, r in rows.items()}
+        if len(rows) <= len(episodes):
+            return {e: tuple(r) for e, r in rows.items() if e in episodes}
+        return {e: tuple(rows[e]) for e in episodes if e in rows}
+
     def install(self, episode: EpisodeKey, rows: Iterable[rec_pb.CaptureRow]) -> None:
-        self._rows[episode] = list(rows)
+        self._forget(self._rows.get(episode, ()))
+        installed = self._rows[episode] = list(rows)
+        self._count += len(installed)
+        self._tokens += sum(len(r.tokens.completion_token_ids) for r in installed)
 
     def drop(self, episodes: Iterable[EpisodeKey]) -> None:
         for episode in episodes:
-            self._rows.pop(episode, None)
+            self._forget(self._rows.pop(episode, ()))
 
     def __len__(self) -> int:
-        return sum(len(rows) for rows in self._rows.values())
+        return self._count
 
     def tokens(self) -> int:
-        return sum(len(r.tokens.completion_token_ids) for rows in self._rows.values() for r in rows)
+        return self._tokens
 
 
 class RestoredCuts:
@@ -132,9 +182,20 @@ class RestoredCuts:
         del self._cuts[(episode.rollout_id, digest)]
         return hit[1]
 
-    def of(self, episode: EpisodeKey) -> list[rec_pb.GenerationCut]:
-        """Unclaimed cuts the episode would continue from (exported again by the next commit)."""
-        return [c for (r, _), (a, c) in self._cuts.items() if r == episode.rollout_id and a <= episode.attempt]
+    def frozen(self, episodes: Iterable[EpisodeKey]) -> dict[EpisodeKey, tuple[rec_pb.GenerationCut, ...]]:
+        """The unclaimed cuts each of `episodes` would continue from (captured again by the next commit),
+        for those that have any; one pass over the cuts, which are never changed once installed."""
+        if not self._cuts:
+            return {}
+        by_rollout: dict[str, list[tuple[int, rec_pb.GenerationCut]]] = {}
+        for (rollout_id, _), held in self._cuts.items():
+            by_rollout.setdefault(rollout_id, []).append(held)
+        out = {}
+        for episode in episodes:
+            held = by_rollout.get(episode.rollout_id, ())
+            if cuts := tuple(c for a, c in held if a <= episode.attempt):
+                out[episode] = cuts
+        return out
 
     def drop(self, fenced: Iterable[EpisodeKey]) -> None:
         """Forget cuts of attempts up to each of `fenced`."""

@@ -6,10 +6,11 @@ while admission is closed has its response held. Neither blocks the prepare: the
 waiting on such a call is at its boundary before the call. Only streaming responses
 already being delivered block, until they end.
 
-Commit exports, per episode, the ledger rows of delivered calls plus the cut and held
-generations. On resume a cut generation continues from its prefix and every held
-response is delivered; after a crash and restore, the re-issued call (matched by rollout,
-prompt and sampling) continues from the prefix instead. Rows move to the next attempt,
+Commit captures, per episode, the ledger rows of delivered calls (references: a row is
+never changed) plus copies of the cut and held generations; the write makes the records.
+On resume a cut generation continues from its prefix and every held response is delivered;
+after a crash and restore, the re-issued call (matched by rollout, prompt and sampling)
+continues from the prefix instead. Rows move to the next attempt,
 so the ledger holds every delivered token exactly once.
 
 `ModelServicer` calls the hooks `admit`, `generate` and `deliver` when `servicer.gate` is
@@ -18,15 +19,16 @@ this participant (set by the constructor).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+import functools
+from collections.abc import Callable, Collection, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
+from gymrpc.control import Capture, EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.errors import DataLoss, FailedPrecondition
 from gymrpc.messages import message_to_dict
 from gymrpc.servers.model import spans as version_spans
 from gymrpc.servers.model.backends.base import Completion, Conversation, Finish, Sampling
-from gymrpc.servers.model.capture import FINISH_OF, CaptureLedger, Generation, RestoredCuts, request_digest
+from gymrpc.servers.model.capture import FINISH_OF, CaptureLedger, CutView, Generation, RestoredCuts, request_digest
 from gymrpc.servers.model.flights import Flight
 from gymrpc.servers.model.requests import Checked
 from gymrpc.servers.model.service import ModelServicer
@@ -186,25 +188,25 @@ class ModelParticipant(Participant):
 
     # -- commit ------------------------------------------------------------------------------
 
-    def _parked(self) -> dict[EpisodeKey, list[rec_pb.GenerationCut]]:
-        out: dict[EpisodeKey, list[rec_pb.GenerationCut]] = {}
+    def _parked(self) -> dict[EpisodeKey, list[CutView]]:
+        out: dict[EpisodeKey, list[CutView]] = {}
         for gen in self._generations.values():
             if gen.state in ("cut", "held") and gen.episode.rollout_id:
-                out.setdefault(gen.episode, []).append(gen.to_cut())
+                out.setdefault(gen.episode, []).append(gen.view())
         return out
 
-    async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
+    async def capture(self, scope: Scope) -> Capture:
         parked = self._parked()
-        episodes = set(scope) if scope is not None else {*parked, *self.ledger.episodes(), *self.cuts.episodes()}
-        records = []
-        for episode in sorted(e for e in episodes if e.rollout_id):
-            body = rec_pb.ModelEpisodeRecord(
-                rows=self.ledger.rows(episode),
-                cuts=[*parked.get(episode, ()), *self.cuts.of(episode)],
-                loaded_weight_version=self.backend.weight_version,
-            )
-            records.append(rec_pb.CheckpointRecord(episode_id=episode.to_pb(), model_episode=body))
-        return records
+        episodes = scope if scope is not None else frozenset({*parked, *self.ledger.episodes(), *self.cuts.episodes()})
+        build = functools.partial(
+            _records,
+            episodes,
+            self.ledger.frozen(scope),
+            parked,
+            self.cuts.frozen(episodes),
+            self.backend.weight_version,
+        )
+        return Capture(build, len(episodes))
 
     async def delete_restored(self, scope: Scope) -> None:
         if scope is None:
@@ -300,6 +302,23 @@ class ModelParticipant(Participant):
             **self.backend.status_details(),
             "weight_version": self.backend.weight_version,
         }
+
+
+def _records(
+    episodes: Collection[EpisodeKey],
+    rows: Mapping[EpisodeKey, Sequence[rec_pb.CaptureRow]],
+    parked: Mapping[EpisodeKey, Sequence[CutView]],
+    restored: Mapping[EpisodeKey, Sequence[rec_pb.GenerationCut]],
+    weight_version: str,
+) -> Iterator[rec_pb.CheckpointRecord]:
+    """A capture's records (worker thread): one per episode, its rows, then its parked and restored cuts."""
+    for episode in sorted(e for e in episodes if e.rollout_id):
+        body = rec_pb.ModelEpisodeRecord(
+            rows=rows.get(episode, ()),
+            cuts=[*(v.to_pb() for v in parked.get(episode, ())), *restored.get(episode, ())],
+            loaded_weight_version=weight_version,
+        )
+        yield rec_pb.CheckpointRecord(episode_id=episode.to_pb(), model_episode=body)
 
 
 def _merge(into: tuple[list[rec_pb.CaptureRow], list[rec_pb.GenerationCut]], body: rec_pb.ModelEpisodeRecord) -> None:

@@ -19,9 +19,15 @@ crash the restored agent verifies again).
 
 The data plane is gated by wrapping the servicer's methods (`gate_servicer`), so the
 servicer itself stays free of checkpoint logic. A server is ready when no blocking call
-is in flight. A session whose last verify raised is left out of exports (its episode
+is in flight. A session whose last verify raised is left out of captures (its episode
 failed; as the reference, where such a verify drops the session). Session exports and
 restores run in worker threads (inline only for `runs_inline` environments).
+
+A commit's capture takes, per session, its cached replies (immutable results) and its state:
+`Session.capture`, which an environment overrides when its state is cheaper to take than
+to encode (the counter copies two integers), else the session's `export` at once; a table
+session's `export_tables` (only changed tables are encoded again). The records, hashes and
+shared blocks are made by the write, after the resume.
 """
 
 from __future__ import annotations
@@ -29,16 +35,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from gymrpc.control import EpisodeKey, Kind, Participant, Report, Scope
+from gymrpc.control import Capture, EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.control.admission import WhenClosed
 from gymrpc.envkit import (
     CheckpointMode,
+    Session,
     SnapshotCorrupt,
     SnapshotFormat,
     SnapshotUnsupported,
@@ -181,45 +188,52 @@ class ResourcesParticipant(Participant):
                 del self._verify_raised[session_id]
         return failed
 
-    # -- export ------------------------------------------------------------------------------
+    # -- capture -----------------------------------------------------------------------------
 
-    async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
+    async def capture(self, scope: Scope) -> Capture:
         if self.mode is CheckpointMode.RESTART_ONLY:
-            return []
+            return Capture.of([])
         chosen = [
             (session_id, slot)
-            for session_id, slot in sorted(self.host.live().items())
-            if (scope is None or _key(slot.episode) in scope) and not slot.verify_failed
+            for session_id, slot in self.host.live().items()
+            if (scope is None or (slot.episode.rollout_id, slot.episode.attempt) in scope) and not slot.verify_failed
         ]
         if self.tables is not None:
-            return await self._export_tables(chosen)
-        records = []
-        for session_id, slot in chosen:
-            body = rec_pb.ResourcesSessionRecord(session_id=session_id, replies=_replies(slot))
-            if self.mode is CheckpointMode.EXPORTED:
-                body.snapshot.CopyFrom(await self._snapshot(session_id, slot))
+            return await self._capture_tables(chosen)
+        items = []
+        exported = self.mode is CheckpointMode.EXPORTED
+        cheap: dict[type, bool] = {}  # by session class: overrides `Session.capture`
+        for session_id, slot in chosen:  # every session of the scope, while parked: keep this loop lean
+            state: Callable[[], bytes] | common_pb2.Task | None = None
+            session = slot.session
+            if exported:
+                kind = type(session)
+                if (own := cheap.get(kind)) is None:
+                    own = cheap[kind] = kind.capture is not Session.capture
+                state = self._captured(session_id, session) if own else await self._exported(session_id, session)
             elif session_id in self._tasks:
-                body.task.CopyFrom(self._tasks[session_id])
-            records.append(rec_pb.CheckpointRecord(episode_id=_key(slot.episode).to_pb(), resources_session=body))
-        return records
+                state = self._tasks[session_id]  # the seed request's task: never changed
+            items.append((session_id, slot.episode, tuple(slot.results.items()), state))
+        fmt = self.host.require_snapshots() if exported else None
+        return Capture(functools.partial(_session_records, fmt, items), len(items))
 
-    async def _snapshot(self, session_id: str, slot: Slot) -> common_pb2.SessionSnapshot:
-        fmt = self.host.require_snapshots()
+    @staticmethod
+    def _captured(session_id: str, session: Session) -> Callable[[], bytes]:
         try:
-            payload = await self.host.run(slot.session.export)
+            return session.capture()
         except SnapshotUnsupported as exc:
             raise FailedPrecondition(f"session {session_id!r}: {exc}", reason="SNAPSHOT_UNSUPPORTED") from None
-        return common_pb2.SessionSnapshot(
-            protocol_version=SNAPSHOT_PROTOCOL_VERSION,
-            format_name=fmt.name,
-            format_version=fmt.version,
-            content_type=fmt.content_type,
-            payload=payload,
-            sha256=hashlib.sha256(payload).hexdigest(),
-        )
 
-    async def _export_tables(self, chosen: Sequence[tuple[str, Slot]]) -> list[rec_pb.CheckpointRecord]:
-        """A manifest record per session, then each distinct block once; encoding runs in a thread."""
+    async def _exported(self, session_id: str, session: Session) -> Callable[[], bytes]:
+        """A session without its own `capture`: its `export` now, in the host's pool (unless `runs_inline`)."""
+        try:
+            payload = await self.host.run(session.export)
+        except SnapshotUnsupported as exc:
+            raise FailedPrecondition(f"session {session_id!r}: {exc}", reason="SNAPSHOT_UNSUPPORTED") from None
+        return lambda: payload
+
+    async def _capture_tables(self, chosen: Sequence[tuple[str, Slot]]) -> Capture:
+        """Each session's tables (encoded in a thread, only the changed ones); the write keeps each block once."""
         fmt = self.host.require_snapshots()
         items = []
         for session_id, slot in chosen:
@@ -228,8 +242,9 @@ class ResourcesParticipant(Participant):
                     f"session {session_id!r} of table environment {self.environment.name!r} cannot export tables",
                     reason="SNAPSHOT_UNSUPPORTED",
                 )
-            items.append(_TableItem(session_id, _key(slot.episode), slot.session, _replies(slot)))
-        return await asyncio.to_thread(_table_records, fmt, items)
+            items.append(_TableItem(session_id, _key(slot.episode), slot.session, tuple(slot.results.items())))
+        exports = await asyncio.to_thread(_export_tables, items)
+        return Capture(functools.partial(_table_records, fmt, items, exports), len(items))
 
     async def delete_restored(self, scope: Scope) -> None:
         if scope is None:
@@ -362,40 +377,78 @@ class ResourcesParticipant(Participant):
         return {"mode": self.mode.value, "verify": self.verify, "environment": self.environment.name}
 
 
+Results = tuple[tuple[str, Any], ...]
+"""A session's cached replies at a capture (`Slot.results`' items; the results are immutable)."""
+
+
+def _session_records(
+    fmt: SnapshotFormat | None,
+    items: Sequence[tuple[str, HostKey, Results, Callable[[], bytes] | common_pb2.Task | None]],
+) -> Iterator[rec_pb.CheckpointRecord]:
+    """A capture's records (worker thread), by session id: replies, then the snapshot (or the seed task)."""
+    for session_id, episode, results, state in sorted(items, key=lambda item: item[0]):
+        body = rec_pb.ResourcesSessionRecord(session_id=session_id, replies=_replies(results))
+        if isinstance(state, common_pb2.Task):
+            body.task.CopyFrom(state)
+        elif state is not None and fmt is not None:
+            try:
+                payload = state()
+            except SnapshotUnsupported as exc:
+                raise FailedPrecondition(f"session {session_id!r}: {exc}", reason="SNAPSHOT_UNSUPPORTED") from None
+            body.snapshot.CopyFrom(
+                common_pb2.SessionSnapshot(
+                    protocol_version=SNAPSHOT_PROTOCOL_VERSION,
+                    format_name=fmt.name,
+                    format_version=fmt.version,
+                    content_type=fmt.content_type,
+                    payload=payload,
+                    sha256=hashlib.sha256(payload).hexdigest(),
+                )
+            )
+        yield rec_pb.CheckpointRecord(episode_id=_key(episode).to_pb(), resources_session=body)
+
+
 @dataclass(frozen=True)
 class _TableItem:
-    """What a table export needs of one session, taken on the event loop."""
+    """What a table capture keeps of one session, taken on the event loop."""
 
     session_id: str
     episode: EpisodeKey
     session: TableSession
-    replies: list[rec_pb.CachedToolReply]
+    results: Results
 
 
-def _table_records(fmt: SnapshotFormat, items: Sequence[_TableItem]) -> list[rec_pb.CheckpointRecord]:
-    """Worker thread: export every session's tables, keep each distinct block once (`collect`)."""
-    from gymrpc.snapshots import collect
-
+def _export_tables(items: Sequence[_TableItem]) -> dict[str, Any]:
+    """Worker thread, while parked: every session's tables (`SessionTables`, unchanged once returned)."""
     exports = {}
     for item in items:
         try:
             exports[item.session_id] = item.session.export_tables()
         except SnapshotUnsupported as exc:
             raise FailedPrecondition(f"session {item.session_id!r}: {exc}", reason="SNAPSHOT_UNSUPPORTED") from None
-    bundle = collect(exports)
-    records: list[rec_pb.CheckpointRecord] = []
+    return exports
+
+
+def _table_records(
+    fmt: SnapshotFormat, items: Sequence[_TableItem], exports: Mapping[str, Any]
+) -> Iterator[rec_pb.CheckpointRecord]:
+    """Worker thread, in the write: a manifest record per session, then each distinct block once (`collect`)."""
+    from gymrpc.snapshots import collect
+
+    items = sorted(items, key=lambda item: item.session_id)
+    bundle = collect({item.session_id: exports[item.session_id] for item in items})
     first: dict[str, EpisodeKey] = {}
     for item in items:
         manifest = bundle.manifests[item.session_id]
         snapshot = rec_pb.TableSnapshot(format_name=fmt.name, format_version=fmt.version, manifest=manifest.to_json())
-        body = rec_pb.ResourcesSessionRecord(session_id=item.session_id, replies=item.replies, tables=snapshot)
-        records.append(rec_pb.CheckpointRecord(episode_id=item.episode.to_pb(), resources_session=body))
+        replies = _replies(item.results)
+        body = rec_pb.ResourcesSessionRecord(session_id=item.session_id, replies=replies, tables=snapshot)
+        yield rec_pb.CheckpointRecord(episode_id=item.episode.to_pb(), resources_session=body)
         for digest in manifest.digests():
             first.setdefault(digest, item.episode)
     for digest, data in bundle.blocks.items():  # filed under the first episode naming it (see select)
         block = rec_pb.TableBlock(sha256=digest, data=data)
-        records.append(rec_pb.CheckpointRecord(episode_id=first[digest].to_pb(), table_block=block))
-    return records
+        yield rec_pb.CheckpointRecord(episode_id=first[digest].to_pb(), table_block=block)
 
 
 def _build_tables(
@@ -428,9 +481,9 @@ def _check_format(session_id: str, fmt: SnapshotFormat, name: str, version: int,
     )
 
 
-def _replies(slot: Slot) -> list[rec_pb.CachedToolReply]:
+def _replies(results: Results) -> list[rec_pb.CachedToolReply]:
     out = []
-    for key, result in slot.results.items():
+    for key, result in results:
         if isinstance(result, ToolResult):
             out.append(rec_pb.CachedToolReply(key=key, output=result.output, is_error=result.is_error))
         elif isinstance(result, StepResult):

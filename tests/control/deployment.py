@@ -13,8 +13,9 @@ so prepares can miss their deadline on purpose.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ import grpc
 from gymrpc import auth
 from gymrpc.channels import service_channel_options
 from gymrpc.chat import default_tokenizer
-from gymrpc.control import ControlPlane, EpisodeKey, Kind, Participant, Report, Scope
+from gymrpc.control import Capture, ControlPlane, EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.controller import Controller
 from gymrpc.envs.counter import CounterEnvironment
 from gymrpc.errors import DataLoss, FailedPrecondition, from_rpc_error
@@ -91,15 +92,9 @@ class FakeAgent(Participant):
     def readiness(self) -> Report:
         return Report(blockers=tuple(sorted(self.running)), counts={"episodes": len(self.steps)})
 
-    async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
-        out = []
-        for episode, steps in sorted(self.steps.items()):
-            if scope is None or episode in scope:
-                record = rec_pb.CheckpointRecord(episode_id=episode.to_pb())
-                record.other.type_url = AGENT_STATE_URL
-                record.other.value = json.dumps({"steps": steps}).encode()
-                out.append(record)
-        return out
+    async def capture(self, scope: Scope) -> Capture:
+        steps = {e: n for e, n in self.steps.items() if scope is None or e in scope}  # ints: a copy is the capture
+        return Capture(functools.partial(_fake_records, steps), len(steps))
 
     def not_fresh(self) -> str | None:
         return f"it holds {len(self.steps)} episodes" if self.steps else super().not_fresh()
@@ -127,6 +122,14 @@ class FakeAgent(Participant):
         for episode in list(self.steps):
             if self.marks.is_retired(episode):
                 self.drop(episode)
+
+
+def _fake_records(steps: dict[EpisodeKey, int]) -> Iterator[rec_pb.CheckpointRecord]:
+    for episode, count in sorted(steps.items()):
+        record = rec_pb.CheckpointRecord(episode_id=episode.to_pb())
+        record.other.type_url = AGENT_STATE_URL
+        record.other.value = json.dumps({"steps": count}).encode()
+        yield record
 
 
 @dataclass

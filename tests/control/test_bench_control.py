@@ -29,6 +29,7 @@ def test_quick_control_bench_reports_figures(tmp_path: Path) -> None:
         assert 0 < commit["publish_median"] <= commit["publish_max"]
     assert "commit, non-stop" in stdout
     assert "commit to publish median" in stdout
+    assert 0 < figures["capture_ms_summed"]["median"] <= figures["capture_ms_summed"]["max"]
     assert figures["restore_ms"] > 0
     assert set(figures["bytes_per_episode_by_kind"]) == {"agent", "model", "resources"}
     assert all(v > 0 for v in figures["bytes_per_episode_by_kind"].values())

@@ -10,9 +10,11 @@ capture and its write) runs real processes: `tests/control/test_process.py`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,18 @@ async def seeded() -> Deployment:
     return deployment
 
 
+@contextlib.asynccontextmanager
+async def restored(folder: Path) -> AsyncIterator[Deployment]:
+    """A fresh deployment with checkpoint `folder` restored (every episode as its next attempt) and resumed."""
+    fresh = await Deployment.start(NAMES)
+    try:
+        await fresh.controller.restore("restore-1", folder, EPISODES)
+        await fresh.controller.resume("restore-1")
+        yield fresh
+    finally:
+        await fresh.close()
+
+
 async def counter(deployment: Deployment, resources: str, episode: EpisodeKey) -> int:
     call = common_pb2.ToolCall(id=f"read-{episode.attempt}", name="get_counter_value", arguments_json="{}")
     request = res_pb.CallToolRequest(session_id=episode.rollout_id, episode_id=episode.to_pb(), call=call)
@@ -115,14 +129,9 @@ def test_episodes_resume_before_the_write_finishes_and_keep_the_captured_state(
         finally:
             await deployment.close()
 
-        fresh = await Deployment.start(NAMES)
-        try:
-            await fresh.controller.restore("restore-1", tmp_path / "c1", EPISODES)
-            await fresh.controller.resume("restore-1")
+        async with restored(tmp_path / "c1") as fresh:
             for i, episode in enumerate(EPISODES):
                 assert await counter(fresh, f"resources/r{i}", episode.next()) == 1
-        finally:
-            await fresh.close()
 
     asyncio.run(main())
 
@@ -232,12 +241,7 @@ def test_a_failed_background_write_is_reported_then_retried_from_the_same_captur
         finally:
             await deployment.close()
 
-        fresh = await Deployment.start(NAMES)
-        try:
-            await fresh.controller.restore("restore-1", tmp_path / "c1", EPISODES)
-            await fresh.controller.resume("restore-1")
+        async with restored(tmp_path / "c1") as fresh:
             assert await counter(fresh, "resources/r0", EPISODES[0].next()) == 1  # the capture's, not 2
-        finally:
-            await fresh.close()
 
     asyncio.run(main())

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from gymrpc.control import ControlPlane, EpisodeKey, Kind, Participant, Phase, Report, Scope
+from gymrpc.control import plane as plane_module
 from gymrpc.control import store as store_module
-from gymrpc.errors import DataLoss, FailedPrecondition, GymrpcError
+from gymrpc.errors import DataLoss, FailedPrecondition, GymrpcError, ResourceExhausted
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 
 E0, E1 = EpisodeKey("r0", 0), EpisodeKey("r1", 0)
@@ -295,6 +296,41 @@ def test_resume_during_a_write_publishes_no_manifest(tmp_path: Path, monkeypatch
             await commit
         assert reason(caught) == "STALE_CHECKPOINT"
         assert not await asyncio.to_thread(lambda: list(tmp_path.glob("**/manifest.json")))
+        await control.close()
+
+    run(main())
+
+
+def test_unfinished_background_writes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each unfinished background write holds its capture: past the bound a commit is refused, clearly."""
+    entered, release = threading.Event(), threading.Event()
+    real = store_module.write_checkpoint
+
+    def gated(*args: Any) -> Any:
+        entered.set()
+        release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(store_module, "write_checkpoint", gated)
+    monkeypatch.setattr(plane_module, "MAX_UNFINISHED_CAPTURES", 1)
+
+    async def main() -> None:
+        control, _ = await plane()
+        await control.prepare("c1", soon())
+        assert await control.commit("c1", soon(), str(tmp_path / "c1"), None, background=True) is None
+        await control.resume("c1")  # its write starts, and hangs
+        await asyncio.to_thread(entered.wait, 10)
+        assert control.status().details["persisting"] == "1"
+        await control.prepare("c2", soon())
+        with pytest.raises(ResourceExhausted) as caught:
+            await control.commit("c2", soon(), str(tmp_path / "c2"), None, background=True)
+        assert "(c1)" in caught.value.message
+        assert caught.value.metadata["unfinished"] == "1"
+        release.set()
+        assert (await control.persist("c1", soon())).record_count == 2
+        assert await control.commit("c2", soon(), str(tmp_path / "c2"), None, background=True) is None
+        await control.resume("c2")
+        assert (await control.persist("c2", soon())).record_count == 2
         await control.close()
 
     run(main())

@@ -114,6 +114,23 @@ def restart_all(stack: Any, names: tuple[str, ...] = PARTICIPANTS) -> None:
         stack.wait_for(name, lambda s, n=name: s["restarts"] > before[n] and s["state"] == "serving")
 
 
+def restore_and_finish(stack: Any, folder: Path, boundary: list[EpisodeState], reference: list[Any]) -> None:
+    """Restore the good checkpoint `folder` into the (fresh) stack, continue every episode from its
+    boundary as attempt 1, and check each ends as the uninterrupted run did."""
+
+    async def main() -> None:
+        async with Client(run_dir=stack.run_dir) as client:
+            driver, controller = Driver(client), Controller(client)
+            await controller.restore("restore-good", folder, [EpisodeKey(s.rollout_id, 0) for s in boundary])
+            await controller.resume("restore-good")
+            for state in boundary:
+                state.attempt = 1
+            trajectories = await asyncio.gather(*(driver.finish(s) for s in boundary))
+            assert [outcome(t) for t in trajectories] == reference
+
+    asyncio.run(main())
+
+
 def test_control_calls_need_the_token_and_a_vanished_controller_is_aborted(start_stack: Any) -> None:
     stack = start_stack(config())
 
@@ -285,17 +302,7 @@ def test_a_crash_during_commit_leaves_the_previous_checkpoint_intact(start_stack
     asyncio.run(restore_torn())
     restart_all(stack)  # a restore goes into fresh processes only
 
-    async def restore() -> None:
-        async with Client(run_dir=stack.run_dir) as client:
-            driver, controller = Driver(client), Controller(client)
-            await controller.restore("restore-good", folder, [EpisodeKey(s.rollout_id, 0) for s in boundary])
-            await controller.resume("restore-good")
-            for state in boundary:
-                state.attempt = 1
-            trajectories = await asyncio.gather(*(driver.finish(s) for s in boundary))
-            assert [outcome(t) for t in trajectories] == reference
-
-    asyncio.run(restore())
+    restore_and_finish(stack, folder, boundary, reference)
 
 
 def test_a_member_killed_between_its_capture_and_its_write_publishes_nothing(start_stack: Any, tmp_path: Path) -> None:
@@ -347,14 +354,4 @@ def test_a_member_killed_between_its_capture_and_its_write_publishes_nothing(sta
     asyncio.run(refuse_lost())
     restart_all(stack)  # a restore goes into fresh processes only
 
-    async def restore() -> None:
-        async with Client(run_dir=stack.run_dir) as client:
-            driver, controller = Driver(client), Controller(client)
-            await controller.restore("restore-good", folder, [EpisodeKey(s.rollout_id, 0) for s in boundary])
-            await controller.resume("restore-good")
-            for state in boundary:
-                state.attempt = 1
-            trajectories = await asyncio.gather(*(driver.finish(s) for s in boundary))
-            assert [outcome(t) for t in trajectories] == reference
-
-    asyncio.run(restore())
+    restore_and_finish(stack, folder, boundary, reference)
