@@ -57,7 +57,7 @@ from gymrpc.envkit import (
 from gymrpc.errors import DataLoss, FailedPrecondition, GymrpcError
 from gymrpc.ids import check_id
 from gymrpc.messages import task_spec, tool_definition
-from gymrpc.servers.resources.service import SNAPSHOT_PROTOCOL_VERSION, ResourcesServicer
+from gymrpc.servers.resources.service import SNAPSHOT_PROTOCOL_VERSION, ResourcesServicer, session_snapshot
 from gymrpc.servers.resources.sessions import EpisodeKey as HostKey
 from gymrpc.servers.resources.sessions import Slot
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
@@ -395,16 +395,7 @@ def _session_records(
                 payload = state()
             except SnapshotUnsupported as exc:
                 raise FailedPrecondition(f"session {session_id!r}: {exc}", reason="SNAPSHOT_UNSUPPORTED") from None
-            body.snapshot.CopyFrom(
-                common_pb2.SessionSnapshot(
-                    protocol_version=SNAPSHOT_PROTOCOL_VERSION,
-                    format_name=fmt.name,
-                    format_version=fmt.version,
-                    content_type=fmt.content_type,
-                    payload=payload,
-                    sha256=hashlib.sha256(payload).hexdigest(),
-                )
-            )
+            body.snapshot.CopyFrom(session_snapshot(fmt, payload))
         yield rec_pb.CheckpointRecord(episode_id=_key(episode).to_pb(), resources_session=body)
 
 

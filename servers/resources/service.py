@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 
 from gymrpc import safejson
-from gymrpc.envkit import CheckpointMode, Environment, InteractionStyle
+from gymrpc.envkit import CheckpointMode, Environment, InteractionStyle, SnapshotFormat
 from gymrpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from gymrpc.ids import check_attempt, check_id
 from gymrpc.messages import messages_to_dicts, task_spec, tool_definition
@@ -19,6 +19,20 @@ from gymrpc.v1 import resources_service_pb2 as pb
 from gymrpc.v1 import resources_service_pb2_grpc as pb_grpc
 
 SNAPSHOT_PROTOCOL_VERSION = 1
+
+
+def session_snapshot(fmt: SnapshotFormat, payload: bytes) -> common_pb2.SessionSnapshot:
+    """An exported session as the protocol carries it (CheckpointSession and checkpoint records alike)."""
+    return common_pb2.SessionSnapshot(
+        protocol_version=SNAPSHOT_PROTOCOL_VERSION,
+        format_name=fmt.name,
+        format_version=fmt.version,
+        content_type=fmt.content_type,
+        payload=payload,
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
+
+
 _MODES = {
     CheckpointMode.EXPORTED: pb.CHECKPOINT_MODE_EXPORTED,
     CheckpointMode.STATELESS: pb.CHECKPOINT_MODE_STATELESS,
@@ -140,16 +154,7 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
     ) -> pb.CheckpointSessionResponse:
         fmt = self.host.require_snapshots()
         payload = await self.host.export(check_id(request.session_id, "session_id"), episode_key(request.episode_id))
-        return pb.CheckpointSessionResponse(
-            snapshot=common_pb2.SessionSnapshot(
-                protocol_version=SNAPSHOT_PROTOCOL_VERSION,
-                format_name=fmt.name,
-                format_version=fmt.version,
-                content_type=fmt.content_type,
-                payload=payload,
-                sha256=hashlib.sha256(payload).hexdigest(),
-            )
-        )
+        return pb.CheckpointSessionResponse(snapshot=session_snapshot(fmt, payload))
 
     async def RestoreSession(
         self, request: pb.RestoreSessionRequest, context: grpc.aio.ServicerContext

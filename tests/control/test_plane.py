@@ -87,6 +87,20 @@ def reason(exc: pytest.ExceptionInfo[GymrpcError]) -> str:
     return exc.value.reason
 
 
+def gated_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Every records write signals `entered`, then waits for `release` (10 s at most) before writing."""
+    entered, release = threading.Event(), threading.Event()
+    real = store_module.write_checkpoint
+
+    def gated(*args: Any) -> Any:
+        entered.set()
+        release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(store_module, "write_checkpoint", gated)
+    return entered, release
+
+
 def test_prepare_commit_resume_and_replay(tmp_path: Path) -> None:
     async def main() -> None:
         control, part = await plane()
@@ -273,15 +287,7 @@ def test_a_slow_write_outlives_its_deadline_and_a_retry_waits_for_it(
 
 
 def test_resume_during_a_write_publishes_no_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    entered, release = threading.Event(), threading.Event()
-    real = store_module.write_checkpoint
-
-    def gated(*args: Any) -> Any:
-        entered.set()
-        release.wait(10)
-        return real(*args)
-
-    monkeypatch.setattr(store_module, "write_checkpoint", gated)
+    entered, release = gated_writes(monkeypatch)
 
     async def main() -> None:
         control, _ = await plane()
@@ -303,15 +309,7 @@ def test_resume_during_a_write_publishes_no_manifest(tmp_path: Path, monkeypatch
 
 def test_unfinished_background_writes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each unfinished background write holds its capture: past the bound a commit is refused, clearly."""
-    entered, release = threading.Event(), threading.Event()
-    real = store_module.write_checkpoint
-
-    def gated(*args: Any) -> Any:
-        entered.set()
-        release.wait(10)
-        return real(*args)
-
-    monkeypatch.setattr(store_module, "write_checkpoint", gated)
+    entered, release = gated_writes(monkeypatch)
     monkeypatch.setattr(plane_module, "MAX_UNFINISHED_CAPTURES", 1)
 
     async def main() -> None:
