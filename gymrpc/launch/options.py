@@ -87,7 +87,7 @@ def server_argv(name: str, module: str, args: Mapping[str, Any]) -> list[str]:
             known = sorted(f.removeprefix("--").replace("-", "_") for f in flags if f.startswith("--"))
             known = [k for k in known if k not in LAUNCHER_FLAGS and k != "help"]
             raise ValueError(f"{where}: {module} has no option --{flag[2:]} (its options: {', '.join(known)})")
-        out += _one(where, flag, action, value)
+        out += arg_flags(where, flag, action, value)
     try:
         parsed = parser.parse_args(out)
         if check is not None:
@@ -97,7 +97,8 @@ def server_argv(name: str, module: str, args: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _one(where: str, flag: str, action: argparse.Action, value: Any) -> list[str]:
+def arg_flags(where: str, flag: str, action: argparse.Action, value: Any) -> list[str]:
+    """The flags for one stack arg (ValueError prefixed with `where`): YAML types map to argparse's."""
     switch = action.nargs == 0
     if value is None:
         return []
@@ -108,10 +109,7 @@ def _one(where: str, flag: str, action: argparse.Action, value: Any) -> list[str
             positive = action.option_strings[0]
             on = value if flag == positive else not value
             return [positive if on else "--no-" + positive[2:]]
-        default_on = isinstance(action, argparse._StoreFalseAction)
-        if value is default_on:
-            return []  # the switch's default: leaving it off is what was asked
-        return [flag]
+        return [flag] if value else []  # the key names the flag itself (`no_x: true` is `--no-x`)
     if switch:
         raise ValueError(f"{where}: {flag} is a switch: give true or false, not {value!r}")
     if isinstance(value, list | tuple):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gymrpc.launch.options import server_argv
+from gymrpc.launch.options import arg_flags, server_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +35,13 @@ def test_false_means_false_and_true_means_true() -> None:
         "--script",
         "b",
     ]
+
+
+def test_a_switch_that_turns_something_off_is_given_when_true() -> None:
+    parser = argparse.ArgumentParser()
+    off = parser.add_argument("--no-cache", dest="cache", action="store_false")
+    assert arg_flags("server m: args.no_cache", "--no-cache", off, True) == ["--no-cache"]
+    assert arg_flags("server m: args.no_cache", "--no-cache", off, False) == []
 
 
 @pytest.mark.parametrize(

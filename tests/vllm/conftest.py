@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.helpers import ENGINE_ENV, ENGINE_OPTIONS, LoopThread
+from tests.vllm.helpers import ENGINE_ENV, ENGINE_OPTIONS, TEST_TIMEOUT, LoopThread
 
 HERE = Path(__file__).resolve().parent
 VLLM_MISSING = importlib.util.find_spec("vllm") is None
@@ -34,11 +34,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # find_spec, not `import vllm`: the import takes 6-9 s, and a vllm that is installed but
     # broken should fail this tier loudly rather than skip it.
-    if VLLM_MISSING:
-        skip = pytest.mark.skip(reason=SKIP_REASON)
-        for item in items:
-            if HERE in item.path.parents:
-                item.add_marker(skip)
+    skip = pytest.mark.skip(reason=SKIP_REASON)
+    for item in items:
+        if HERE not in item.path.parents:
+            continue
+        if VLLM_MISSING:
+            item.add_marker(skip)
+        elif item.get_closest_marker("timeout") is None:
+            # The suite's 300 s would also have to cover a module fixture's engine start.
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
 
 
 @pytest.fixture(scope="session", autouse=True)

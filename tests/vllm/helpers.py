@@ -26,6 +26,11 @@ ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCA
 """No hub access, and a 1 GiB KV cache (vLLM's CPU default sizes it from free RAM)."""
 ENGINE_OPTIONS: dict[str, Any] = {"dtype": "float32", "max_model_len": 2048, "kv_cache_gib": 1, "enforce_eager": True}
 """float32: bf16 is not native on the AVX2 test CPU; eager: torch.compile on CPU is slow."""
+START_TIMEOUT = 900.0
+"""Upper bound on an engine's start, polled for readiness: 20-40 s on a quiet CPU, and several
+minutes beside two CPU burners (`scripts/test.sh --under-load`)."""
+TEST_TIMEOUT = 1800
+"""The tier's per-test limit (pytest-timeout), which also covers a module fixture's engine start."""
 
 T = TypeVar("T")
 
@@ -90,7 +95,7 @@ class VllmStack:
     """`gymrpc up` in a subprocess, waiting longer than the main suite's `Stack`: a vLLM model
     server becomes SERVING only once its engine is up (20-40 s, more on a busy machine)."""
 
-    def __init__(self, config: dict[str, Any], timeout: float = 300.0) -> None:
+    def __init__(self, config: dict[str, Any], timeout: float = START_TIMEOUT) -> None:
         # Unix socket paths are limited to 108 bytes: pytest's tmp_path can be longer.
         self.run_dir = Path(tempfile.mkdtemp(prefix="gymrpc-vllm-", dir="/tmp"))
         (self.run_dir / "stack.yaml").write_text(yaml.safe_dump(config))
@@ -154,7 +159,7 @@ class OpenAIServer:
     cannot find its own package metadata. Its own session, so the whole tree stops together.
     """
 
-    def __init__(self, model: Path, log: Path, timeout: float = 300.0, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, model: Path, log: Path, timeout: float = START_TIMEOUT, extra_args: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [

@@ -30,7 +30,7 @@ from gymrpc.testing.scripted import counter_rows
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
-from tests.vllm.helpers import VllmStack, alive, descendants, model_server_args
+from tests.vllm.helpers import START_TIMEOUT, VllmStack, alive, descendants, model_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -57,7 +57,7 @@ def stack(counter_model: Path) -> Iterator[VllmStack]:
                 "name": MODEL,
                 "role": "model",
                 "args": model_server_args(counter_model, weight_version=VERSION),
-                "start_timeout": 300,
+                "start_timeout": START_TIMEOUT,
             },
             {"name": "agent/simple", "role": "agent", "args": {"resources": "resources/counter", "model": MODEL}},
         ],
@@ -217,7 +217,9 @@ def test_checkpoint_sigkill_restore_continues_with_the_ledger_intact(stack: Vllm
         time.sleep(0.2)
     assert not [p for p in engine if alive(p)], "engine processes outlived the killed model server"
     for name in SERVERS:
-        stack.wait_until(lambda s, n=name: s["restarts"] > before[n] and s["state"] == "serving", 300, name=name)
+        stack.wait_until(
+            lambda s, n=name: s["restarts"] > before[n] and s["state"] == "serving", START_TIMEOUT, name=name
+        )
 
     async def after_crash() -> None:
         async with Client(run_dir=stack.run_dir) as client:

@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.vllm.helpers import ROOT, VllmStack, alive, descendants
+from tests.vllm.helpers import ROOT, TEST_TIMEOUT, VllmStack, alive, descendants
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.timeout(1800),  # engines start slowly on a busy CPU
+    pytest.mark.timeout(TEST_TIMEOUT),
 ]
 
 TARGET = 0.9

@@ -28,9 +28,9 @@ from gymrpc.servers.model.weights.service import WeightsServicer
 from gymrpc.servers.model.weights.switch import WeightSwitch
 from gymrpc.servers.model.weights.transfer import check_transfer
 from gymrpc.v1 import weights_service_pb2 as pb
-from tests.vllm.helpers import VllmStack, model_server_args
+from tests.vllm.helpers import START_TIMEOUT, TEST_TIMEOUT, VllmStack, model_server_args
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT)]
 
 MODEL = "model/policy"
 TOKENIZER = default_tokenizer()
@@ -96,11 +96,11 @@ def model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gpu_stack(random_model: Path) -> Iterator[VllmStack]:
     """A vLLM model server on GPU 0 with the NCCL weight-transfer engine."""
     args = model_server_args(random_model, weight_version="a:0", weight_transfer="nccl")
-    config = {"servers": [{"name": MODEL, "role": "model", "args": args, "start_timeout": 600}]}
+    config = {"servers": [{"name": MODEL, "role": "model", "args": args, "start_timeout": START_TIMEOUT}]}
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # the server's; this process already counted its devices
     try:
-        stack = VllmStack(config, timeout=600)
+        stack = VllmStack(config)
     finally:
         if saved is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)

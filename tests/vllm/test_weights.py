@@ -25,8 +25,9 @@ from gymrpc.servers.model import spans as version_spans
 from gymrpc.servers.model.backends.base import Finish, Sampling
 from gymrpc.servers.model.weights.service import WeightsServicer
 from gymrpc.servers.model.weights.switch import Mode, WeightSwitch
+from tests.vllm.helpers import TEST_TIMEOUT
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT)]
 
 TOKENIZER = default_tokenizer()
 PROMPT = ChatTemplate(TOKENIZER).render([{"role": "user", "content": "Tell me a long story about the sea."}], [])
