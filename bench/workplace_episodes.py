@@ -239,7 +239,10 @@ async def compare_incremental(args: argparse.Namespace, run_dir: Path, script: P
     for side in sides:
         s = out[side]
         print(f"{side:>12} {s['episodes']:>8} {s['episodes_per_s']:>10.2f} {s['model_cpu_ms_per_episode']:>21.1f}")
-    print(f"RATIO model-server CPU per episode, full / incremental: {out['ratio']:.2f}x")
+    print(
+        f"RATIO model-server CPU per episode, full / incremental: {out['ratio']:.2f}x  "
+        f"(load average {os.getloadavg()[0]:.2f})"
+    )
     return out
 
 
@@ -271,6 +274,8 @@ async def compare_checkpoints(args: argparse.Namespace, run_dir: Path, script: P
     out["checkpoints"]["parked_ms"] = (
         {"median": statistics.median(parked), "max": max(parked), "mean": statistics.fmean(parked)} if parked else None
     )
+    wall = sum(r["wall_s"] for r in out["checkpoints"]["rounds"])
+    out["checkpoints"]["parked_share"] = sum(parked) / 1e3 / wall  # of the checkpoint rounds' wall time
     in_flight = [c["episodes"] for c in committed]
     out["checkpoints"]["episodes_per_checkpoint"] = statistics.fmean(in_flight) if in_flight else None
     out["ratio"] = out["checkpoints"]["episodes_per_s"] / out["none"]["episodes_per_s"]
@@ -283,11 +288,12 @@ async def compare_checkpoints(args: argparse.Namespace, run_dir: Path, script: P
         print(
             f"checkpoints every {args.checkpoint_every:g} s: {len(committed)} committed of {len(taken)}, "
             f"{ckpt['episodes_per_checkpoint']:.1f} episodes in flight each, parked per checkpoint "
-            f"median {ckpt['parked_ms']['median']:.0f} ms, max {ckpt['parked_ms']['max']:.0f} ms"
+            f"median {ckpt['parked_ms']['median']:.0f} ms, max {ckpt['parked_ms']['max']:.0f} ms; "
+            f"parked {ckpt['parked_share']:.1%} of the checkpoint rounds' wall time"
         )
     else:
         print(f"checkpoints every {args.checkpoint_every:g} s: {len(committed)} committed of {len(taken)}")
-    print(f"RATIO episodes/s, checkpoints / none: {out['ratio']:.3f}")
+    print(f"RATIO episodes/s, checkpoints / none: {out['ratio']:.3f}  (load average {os.getloadavg()[0]:.2f})")
     return out
 
 

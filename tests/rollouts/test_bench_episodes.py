@@ -112,6 +112,7 @@ def test_quick_workplace_checkpoint_comparison_prints_episodes_per_s_per_side_an
     assert checkpoints["committed"] == sum(1 for c in logged if c["committed"])
     if checkpoints["committed"]:  # how many fit in a round depends on the machine: the structure does not
         assert 0 < checkpoints["parked_ms"]["median"] <= checkpoints["parked_ms"]["max"]
+        assert 0 < checkpoints["parked_share"] < 1
         assert checkpoints["episodes_per_checkpoint"] >= 0
     else:
         assert checkpoints["parked_ms"] is None
