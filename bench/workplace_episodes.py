@@ -6,7 +6,7 @@ WorkBench data: the five recorded rollouts' tasks (`rollout_tasks.jsonl`, the mo
 recorded model outputs) and the five example tasks (`example.jsonl`, the model replays a
 ground-truth script: every call, then an answer), cycled, each episode with its own id. The
 scripted model costs no compute, so the model server's CPU is the protocol, rendering and
-tokenising the prompt (the system prompt, 26 tool schemas and the growing conversation) and
+tokenising the prompt (the system prompt, 27 tool schemas and the growing conversation) and
 parsing the reply: what incremental prompts change.
 
 Two modes, each an A/B in one run: rounds alternate the sides (A B, then B A, ...) after one

@@ -125,7 +125,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
 def _tools(tools: Any) -> list[dict[str, Any]]:
     """The tools in the template's shape, parsed once per distinct tool list.
 
-    Every call of every episode of a task set sends the same list (workplace: 26 schemas, about half
+    Every call of every episode of a task set sends the same list (workplace: 27 schemas, about half
     a millisecond to parse and depth-check): the parsed dicts are shared between calls, read only.
     """
     return list(_parsed_tools(tuple((t.name, t.description, t.parameters_json_schema) for t in tools)))
