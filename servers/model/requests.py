@@ -142,7 +142,8 @@ def _parsed_tools(tools: tuple[tuple[str, str, str], ...]) -> tuple[dict[str, An
             raise _bad(f"{where}.name {name!r} is listed twice", f"{where}.name")
         seen.add(name)
         parameters = parse_json_object(schema or "{}", f"{where}.parameters_json_schema")
-        out.append({"type": "function", "function": {"name": name, "description": description, "parameters": parameters}})
+        function = {"name": name, "description": description, "parameters": parameters}
+        out.append({"type": "function", "function": function})
     return tuple(out)
 
 
