@@ -34,7 +34,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,7 @@ async def checkpoint_every(
         )
 
 
-Beside = Callable[[Client, InFlight, list[dict[str, Any]]], Awaitable[None]]
+Beside = Callable[[Client, InFlight, list[dict[str, Any]]], Coroutine[Any, Any, None]]
 """Run beside a round (cancelled at its end): the stack's client, the episodes in flight, a log for the round."""
 
 
@@ -136,7 +136,7 @@ async def run_round(
     during: Beside | None = None,
 ) -> dict[str, Any]:
     """One timed round on `agent`, with `during` beside it; what it logged is the round's `checkpoints`."""
-    flight, log = InFlight(), []
+    flight, log = InFlight(), list[dict[str, Any]]()
     cpu_before, client_before = cpu_seconds(model_pid), self_cpu_seconds()
     started = time.perf_counter()
     beside = asyncio.create_task(during(client, flight, log)) if during is not None else None
@@ -153,7 +153,7 @@ async def run_round(
     failed = [r for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} episodes failed, first: {failed[0].error}")
-    out = {
+    out: dict[str, Any] = {
         "episodes": len(results),
         "wall_s": wall,
         "model_cpu_s": cpu_seconds(model_pid) - cpu_before,
