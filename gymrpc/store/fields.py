@@ -183,7 +183,8 @@ class Shallow:
             name=f"gymrpc_shallow/{descriptor.full_name}.proto", package="gymrpc_shallow", syntax="proto2"
         )
         message = twin.message_type.add(name=descriptor.name)
-        self._tags: dict[int, tuple[bytes, bool]] = {}
+        self._tags: dict[int, tuple[bytes, bool, bytes]] = {}
+        """Per field number: its tag, whether it is a varint, and the delta header of one new entry."""
         self._repeated = [f.number for f in descriptor.fields if f.is_repeated]
         for field in descriptor.fields:
             if field.type in _SCALAR_TYPES and not field.is_packed:
@@ -194,7 +195,8 @@ class Shallow:
                 raise ValueError(f"{field.full_name}: a shallow read supports varint and length-delimited fields only")
             label = FieldDescriptor.LABEL_REPEATED if field.is_repeated else FieldDescriptor.LABEL_OPTIONAL
             message.field.add(name=field.name, number=field.number, type=kind, label=label)
-            self._tags[field.number] = (_uvarint(field.number << 3 | (0 if varint else 2)), varint)
+            tag = _uvarint(field.number << 3 | (0 if varint else 2))
+            self._tags[field.number] = (tag, varint, _FIELD.pack(field.number, 0, 1))
         pool = descriptor_pool.DescriptorPool()
         pool.Add(twin)
         self._type = message_factory.GetMessageClass(pool.FindMessageTypeByName(f"gymrpc_shallow.{descriptor.name}"))
@@ -229,21 +231,23 @@ class Shallow:
             if after is None:
                 parts.append(_FIELD.pack(number, 0, 0))
                 continue
-            tag, varint = tags[number]
+            tag, varint, one = tags[number]
             if varint:
                 entry = tag + _uvarint(after)  # type: ignore[arg-type]
-                parts += (_FIELD.pack(number, 0, 1), _U32.pack(len(entry)), entry)
+                parts += (one, _U32.pack(len(entry)), entry)
                 continue
             if type(after) is bytes:
-                entry = tag + _uvarint(len(after)) + after
-                parts += (_FIELD.pack(number, 0, 1), _U32.pack(len(entry)), entry)
+                size = len(after)
+                head = tag + (_BYTES[size] if size < 0x80 else _uvarint(size))
+                parts += (one, _U32.pack(len(head) + size), head, after)
                 continue
             kept = len(before) if type(before) is list and after[: len(before)] == before else 0  # type: ignore[arg-type]
             added = after[kept:]  # type: ignore[index]
             parts.append(_FIELD.pack(number, kept, len(added)))
             for value in added:
-                entry = tag + _uvarint(len(value)) + value
-                parts += (_U32.pack(len(entry)), entry)
+                size = len(value)
+                head = tag + (_BYTES[size] if size < 0x80 else _uvarint(size))
+                parts += (_U32.pack(len(head) + size), head, value)
         return b"".join(parts)
 
 
