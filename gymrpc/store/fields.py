@@ -202,13 +202,15 @@ class Shallow:
         self._type = message_factory.GetMessageClass(pool.FindMessageTypeByName(f"gymrpc_shallow.{descriptor.name}"))
 
     def values(self, data: bytes) -> Values | None:
-        """The fields of `data`, or None if it holds fields this type does not know (then write it whole)."""
+        """The fields of `data`, or None (then write it whole) if it holds fields this type does not know
+        or is not encoded canonically (a varint longer than needed, a singular field twice): a delta
+        of values rebuilds canonical entries, so it must only ever apply to canonical bytes."""
         try:
             message = self._type.FromString(data)
         except DecodeError:
             return None
-        if len(UnknownFieldSet(message)):
-            return None
+        if len(UnknownFieldSet(message)) or message.ByteSize() != len(data):
+            return None  # unknown fields, or not the canonical encoding a delta by value would rebuild
         found: Values = {f.number: v for f, v in message.ListFields()}  # in field-number order
         for number in self._repeated:
             entries = found.get(number)

@@ -531,3 +531,6 @@ def test_a_record_with_fields_the_shallow_split_does_not_know_is_written_whole()
     assert shallow.values(data) is not None
     assert shallow.values(data + b"\xf8\x07\x01") is None  # field 127: not in this schema
     assert shallow.values(b"\x0a\x05ab") is None  # truncated
+    assert shallow.values(b"\x38\x81\x00") is None  # step = 1 as a two-byte varint: not canonical
+    assert shallow.values(b"\x38\x01\x38\x02") is None  # a singular field twice (the last one wins)
+    assert shallow.values(b"\x38\x01") == {7: 1}
