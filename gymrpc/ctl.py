@@ -11,6 +11,7 @@
     gymrpc ctl renew ID [--deadline S]                         extend the open checkpoint's lease
     gymrpc ctl checkpoint --dir D [--episodes ...] [--id ID]   prepare, commit into D/ID, resume
     gymrpc ctl inspect D                                       a checkpoint folder's index, verified (no stack)
+    gymrpc ctl gc ROOT [--dry-run]                             remove unpublished checkpoint folders (no stack)
 
 Built on `gymrpc.Controller`, so it keeps its orders (prepare environment, model, agent,
 resources and stop at the first stage not ready; resume in reverse; retire callers first)
@@ -44,7 +45,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from gymrpc.client import Client
-from gymrpc.control import store
+from gymrpc.control import gc, store
 from gymrpc.control.index import INDEX, read_index
 from gymrpc.control.types import EpisodeKey
 from gymrpc.controller import Controller, CoordinationError, PrepareResult
@@ -147,6 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     checkpoint.add_argument("--deadline", type=float, default=30.0, help="seconds per step (default %(default)s)")
     inspect = command("inspect", "a checkpoint folder's index and manifests, verified; needs no stack")
     inspect.add_argument("dir", metavar="DIR", help="the checkpoint folder (ROOT/ID)")
+    sweep = command("gc", "remove the unpublished checkpoint folders under ROOT older than its newest published one")
+    sweep.add_argument("root", metavar="ROOT", help="the checkpoint root (the folder holding ROOT/ID folders)")
+    sweep.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
 
 
 def run(args: argparse.Namespace, run_dir: Path) -> int:
@@ -164,6 +168,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> int:
         args.dir = os.path.abspath(args.dir)  # as every participant must see it
     if args.ctl_command == "inspect":
         return _inspect(args)
+    if args.ctl_command == "gc":
+        return _gc(args)
     try:
         return asyncio.run(_main(args, run_dir))
     except FileNotFoundError as exc:
@@ -295,6 +301,26 @@ def _inspect(args: argparse.Namespace) -> int:
             )
         )
     print("\n".join(_table(rows)))
+    return EXIT_OK
+
+
+def _gc(args: argparse.Namespace) -> int:
+    """Sweep a checkpoint root offline; exit 1 if the root is refused."""
+    try:
+        verdicts = gc.sweep(os.path.abspath(args.root), dry_run=args.dry_run)
+    except (GymrpcError, OSError) as exc:
+        message = f"{exc.code.name} {exc.reason}: {exc.message}" if isinstance(exc, GymrpcError) else str(exc)
+        print(f"gymrpc ctl gc: {message}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        rows = [{"path": str(v.path), "removed": v.removed and not args.dry_run, "reason": v.reason} for v in verdicts]
+        print(json.dumps({"root": os.path.abspath(args.root), "dry_run": args.dry_run, "folders": rows}, indent=2))
+        return EXIT_OK
+    verb = "would remove" if args.dry_run else "removed"
+    for verdict in verdicts:
+        print(f"{verb if verdict.removed else 'kept'} {verdict.path}: {verdict.reason}")
+    if not verdicts:
+        print(f"nothing to remove under {os.path.abspath(args.root)}")
     return EXIT_OK
 
 

@@ -95,6 +95,9 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         )
 
     async def Persist(self, request: pb.PersistRequest, context: grpc.aio.ServicerContext) -> pb.PersistResponse:
+        if request.abandon:
+            await self.plane.abandon(request.checkpoint_id, _deadline(request))
+            return pb.PersistResponse()
         manifest = await self.plane.persist(request.checkpoint_id, _deadline(request))
         return pb.PersistResponse(
             manifest=manifest, manifest_path=manifest_path(manifest.kind, manifest.name, manifest.endpoint_id)

@@ -121,6 +121,8 @@ class _Stage(enum.Enum):
     """The manifest is durable; the capture was let go."""
     FAILED = "failed"
     """A `persist` reported the write's failure: the next one writes the same capture again."""
+    ABANDONED = "abandoned"
+    """The controller gave up on the checkpoint (`abandon`): the write was stopped and is never started again."""
 
 
 @dataclass
@@ -149,7 +151,7 @@ class _Write:
 
     @property
     def unfinished(self) -> bool:
-        return self.task is None or not self.task.done()
+        return self.stage is not _Stage.ABANDONED and (self.task is None or not self.task.done())
 
 
 class ControlPlane:
@@ -433,6 +435,12 @@ class ControlPlane:
                     reason="CHECKPOINT_INCOMPLETE",
                     metadata={"checkpoint_id": checkpoint_id, "name": self.name},
                 )
+            if write.stage is _Stage.ABANDONED:
+                raise FailedPrecondition(
+                    f"checkpoint {checkpoint_id!r} was abandoned by its controller; it is never published",
+                    reason="STALE_CHECKPOINT",
+                    metadata={"checkpoint_id": checkpoint_id, "name": self.name},
+                )
             if write.stage in (_Stage.CAPTURED, _Stage.FAILED):  # its first persist, or a failure reported
                 self._start(write)
             task = write.task
@@ -447,10 +455,45 @@ class ControlPlane:
                 metadata={"checkpoint_id": checkpoint_id},
             ) from None
         except Exception:
-            if write.task is task:
+            if write.task is task and write.stage is _Stage.WRITING:
                 write.stage = _Stage.FAILED  # reported: the next persist writes again
             raise
         return manifest
+
+    async def abandon(self, checkpoint_id: str, deadline: float) -> None:
+        """Stop a commit's write for good and return once it has ended (until `deadline`).
+
+        The controller will not publish the checkpoint and deletes its folder once every member
+        answered: after this returns, this process writes nothing more into it. No such commit
+        here: CHECKPOINT_INCOMPLETE, as for `persist` (nothing of it is being written here).
+        """
+        check_id(checkpoint_id, "checkpoint_id")
+        self._check_deadline(deadline)
+        async with self._lock:
+            write = self._persisting.get(checkpoint_id)
+            if write is None and self._write is not None and self._write.checkpoint_id == checkpoint_id:
+                write = self._write  # a stop-the-world commit still open
+            if write is None:
+                raise FailedPrecondition(
+                    f"{self.name} holds no commit of checkpoint {checkpoint_id!r}; nothing of it is written here",
+                    reason="CHECKPOINT_INCOMPLETE",
+                    metadata={"checkpoint_id": checkpoint_id, "name": self.name},
+                )
+            write.stage = _Stage.ABANDONED  # never started (again) from here on
+            write.capture = None
+            task = write.task
+            await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it
+        if task is not None and not task.done():
+            try:
+                async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
+                    await asyncio.wait([task])  # the write stops at its next record
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"the stopped write of checkpoint {checkpoint_id!r} had not ended by the deadline; "
+                    "retry the abandon",
+                    metadata={"checkpoint_id": checkpoint_id},
+                ) from None
+        log.info("abandoned", extra={"checkpoint_id": checkpoint_id})
 
     async def _capture(self, scope: Scope) -> Capture:
         report = self.readiness()
@@ -515,7 +558,10 @@ class ControlPlane:
         capture = write.capture
         assert capture is not None, "a written capture is not written again"
         started = time.perf_counter()
-        records = list(store.yielding(capture.build()))
+        records = []
+        for record in store.yielding(capture.build()):
+            write.stop.check()  # resumed or abandoned: stop building, nothing is written
+            records.append(record)
         write.build_s = time.perf_counter() - started
         return store.write_checkpoint(
             write.root, self.kind, self.name, write.checkpoint_id, records, write.stop, self.endpoint_id
@@ -547,6 +593,8 @@ class ControlPlane:
         write, self._write = self._write, None
         if write is not None:
             await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it
+            if write.task is not None and not write.task.done():
+                await asyncio.wait([write.task])  # it stops at its next record: then nothing writes for it
         await self.participant.open_admission()
         self.fence.close(checkpoint_id)
         self.replies.drop(checkpoint_id)

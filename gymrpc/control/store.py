@@ -199,6 +199,7 @@ def write_checkpoint(
 ) -> pb.CheckpointManifest:
     """Write the records file, then create the manifest; returns the published manifest."""
     folder = participant_dir(root, kind, name, endpoint_id)
+    stop.check()  # stopped before it began: create nothing (the folder may be being deleted)
     _make_dirs(folder)
     existing = _load_manifest(folder / MANIFEST)
     if existing is not None and existing.checkpoint_id != checkpoint_id:

@@ -502,8 +502,17 @@ class PersistRequest(_message.Message):
 
     CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
+    ABANDON_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Checkpoint committed with `persist_in_background`."""
+    abandon: _builtins.bool
+    """The controller will not publish this checkpoint: stop its write (no
+    manifest appears for it afterwards), wait until the write has ended, and
+    reply with an empty manifest. Once every member replied, nothing writes
+    into the checkpoint folder any more and the controller deletes it. A
+    participant that never captured the checkpoint answers
+    CHECKPOINT_INCOMPLETE, as for any persist.
+    """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """Absolute deadline of the wait; the write goes on past it, and a retried
@@ -515,10 +524,11 @@ class PersistRequest(_message.Message):
         *,
         checkpoint_id: _builtins.str = ...,
         deadline: _timestamp_pb2.Timestamp | None = ...,
+        abandon: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "deadline", b"deadline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -400,6 +400,18 @@ export declare type PersistRequest = Message<"gymrpc.v1.PersistRequest"> & {
    * @generated from field: google.protobuf.Timestamp deadline = 2;
    */
   deadline?: Timestamp | undefined;
+
+  /**
+   * The controller will not publish this checkpoint: stop its write (no
+   * manifest appears for it afterwards), wait until the write has ended, and
+   * reply with an empty manifest. Once every member replied, nothing writes
+   * into the checkpoint folder any more and the controller deletes it. A
+   * participant that never captured the checkpoint answers
+   * CHECKPOINT_INCOMPLETE, as for any persist.
+   *
+   * @generated from field: bool abandon = 3;
+   */
+  abandon: boolean;
 };
 
 /**
