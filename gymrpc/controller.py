@@ -362,11 +362,14 @@ class Controller:
         stop: bool = False,
         trainer_state: TrainerState | str | os.PathLike[str] | None = None,
         background: bool = True,
+        base: str | Path | None = None,
     ) -> Captured:
         """Commit everyone at once; with `background` each member replies once its state is captured
         in memory and writes afterwards (resume may follow at once). Nothing is published: `publish`
         waits for every write and writes the index. The weight versions are read here, while the
-        episodes are still parked, so they are those of the capture."""
+        episodes are still parked, so they are those of the capture. `base`: the previous published
+        checkpoint of the same root, for an incremental commit (members refer to the records it
+        holds instead of writing them again)."""
         deadline = time.time() + timeout
         trainer_ref = None if trainer_state is None else await asyncio.to_thread(reference, trainer_state)
         request = pb.CommitRequest(
@@ -377,6 +380,7 @@ class Controller:
             stop=stop,
             explicit_scope=episode_ids is not None,
             persist_in_background=background,
+            base_checkpoint_dir="" if base is None else _absolute(base),
         )
         members = await self._members()
         await asyncio.to_thread(self._lease, Path(request.checkpoint_dir), checkpoint_id, deadline)
@@ -660,6 +664,7 @@ class Controller:
         stop: bool = False,
         trainer_state: TrainerState | str | os.PathLike[str] | None = None,
         nonstop: bool = True,
+        incremental: bool = False,
     ) -> CheckpointResult:
         """Prepare, commit into `<root>/<checkpoint_id>`, then resume (unless `stop`).
 
@@ -676,6 +681,11 @@ class Controller:
         size and sha256, beside the weight version each model server had loaded
         (`index.weight_versions`), so trainer and stack restore together:
         `read_trainer_state(read_index(folder))` finds it again.
+
+        `incremental`: members refer to the records the newest published checkpoint under `root`
+        already holds instead of writing them again (`gc.newest_published`), so a commit writes
+        what changed. That checkpoint's folder must then be kept while this one is (`gc.sweep`
+        keeps referenced folders). A member that restarted since writes everything.
         """
         checkpoint_id = checkpoint_id or new_checkpoint_id()
         with tracing.span("checkpoint", **{"gymrpc.operation_id": checkpoint_id}):
@@ -694,6 +704,7 @@ class Controller:
                         result.restarted = [e for e in wanted if e not in set(scope)]
                     committing = time.perf_counter()
                     committed = True
+                    base = await asyncio.to_thread(gc.newest_published, folder.parent) if incremental else None
                     captured = await self.capture(
                         checkpoint_id,
                         folder,
@@ -702,6 +713,7 @@ class Controller:
                         stop=stop,
                         trainer_state=trainer_state,
                         background=background,
+                        base=base,
                     )
                     if background:  # the capture is all the episodes waited for
                         resumed = True

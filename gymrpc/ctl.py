@@ -9,7 +9,8 @@
     gymrpc ctl retire ID --episodes R[:A] ...                  fence attempts, free their state
     gymrpc ctl forget ID --rollouts R ...                      drop retire marks
     gymrpc ctl renew ID [--deadline S]                         extend the open checkpoint's lease
-    gymrpc ctl checkpoint --dir D [--episodes ...] [--id ID]   prepare, commit into D/ID, resume
+    gymrpc ctl checkpoint --dir D [--episodes ...] [--id ID] [--incremental]
+                                                               prepare, commit into D/ID, resume
     gymrpc ctl inspect D                                       a checkpoint folder's index, verified (no stack)
     gymrpc ctl gc ROOT [--dry-run]                             remove unpublished checkpoint folders (no stack)
 
@@ -146,6 +147,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     checkpoint.add_argument("--episodes", nargs="+", type=episode, metavar="R[:A]", help="continued episodes")
     checkpoint.add_argument("--stop", action="store_true", help="commit with stop and do not resume")
     checkpoint.add_argument("--deadline", type=float, default=30.0, help="seconds per step (default %(default)s)")
+    checkpoint.add_argument(
+        "--incremental",
+        action="store_true",
+        help="write only what changed since the newest published checkpoint under DIR (it must then be kept)",
+    )
     inspect = command("inspect", "a checkpoint folder's index and manifests, verified; needs no stack")
     inspect.add_argument("dir", metavar="DIR", help="the checkpoint folder (ROOT/ID)")
     sweep = command("gc", "remove the unpublished checkpoint folders under ROOT older than its newest published one")
@@ -233,7 +239,12 @@ async def _main(args: argparse.Namespace, run_dir: Path) -> int:
 
 async def _checkpoint(args: argparse.Namespace, controller: Controller) -> int:
     result = await controller.checkpoint(
-        args.dir, episode_ids=args.episodes, checkpoint_id=args.checkpoint_id, timeout=args.deadline, stop=args.stop
+        args.dir,
+        episode_ids=args.episodes,
+        checkpoint_id=args.checkpoint_id,
+        timeout=args.deadline,
+        stop=args.stop,
+        incremental=args.incremental,
     )
     if args.json:
         print(

@@ -82,6 +82,7 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
                 scope,
                 request.stop,
                 background=background,
+                base_dir=request.base_checkpoint_dir,
             )
         except BaseException:
             collection.release(self.plane)

@@ -14,7 +14,8 @@ folder (anything but `<kind>/<member>/` folders holding manifests, records files
 temporary files: a user's own folder under the root is left alone), nor follows a symlink. The
 sweep keeps a folder that may still be written: one with a live publish lease (`LEASE`, written
 by the controller from the capture until the publish ends) or with anything in it as new as the
-newest published index. A folder is removed by renaming it first (`.gc-<name>-<random>`), then
+newest published index, or one whose records an incremental checkpoint refers to (`referenced`).
+A folder is removed by renaming it first (`.gc-<name>-<random>`), then
 deleting the renamed tree: a late writer then fails on its vanished folder instead of writing
 into half of it. Everything here blocks (file I/O).
 """
@@ -189,6 +190,48 @@ def remove_unpublished(folder: Path, checkpoint_id: str) -> bool:
     return True
 
 
+def newest_published(root: Path) -> Path | None:
+    """The published checkpoint folder under `root` with the newest index; None if there is none."""
+    newest: tuple[float, Path] | None = None
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for entry in entries:
+        if entry.name.startswith(".") or entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            when = _load_index(Path(entry.path, INDEX)).create_time.ToNanoseconds() / 1e9
+        except DataLoss:
+            continue  # no index (FileNotFoundError is reported as DataLoss there too), or a damaged one
+        if newest is None or when > newest[0]:
+            newest = (when, Path(entry.path))
+    return None if newest is None else newest[1]
+
+
+def referenced(root: Path) -> dict[str, str]:
+    """Checkpoint folder name -> a folder under `root` whose manifests refer to its records (incremental)."""
+    refs: dict[str, str] = {}
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
+            continue
+        for kind in _KINDS:
+            try:
+                members = list(os.scandir(Path(entry.path, kind)))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for member in members:
+                try:
+                    manifest = store._load_manifest(Path(member.path, store.MANIFEST))
+                except DataLoss:
+                    continue
+                for segment in manifest.segments if manifest is not None else ():
+                    name = segment.records_path.partition("/")[0]
+                    if name and name != entry.name:
+                        refs.setdefault(name, entry.name)
+    return refs
+
+
 def sweep(root: str | os.PathLike[str], *, dry_run: bool = False, now: float | None = None) -> list[Verdict]:
     """Remove the unpublished checkpoint folders under `root` older than its newest published checkpoint.
 
@@ -220,9 +263,12 @@ def sweep(root: str | os.PathLike[str], *, dry_run: bool = False, now: float | N
         elif checkpoint_shaped(folder):
             candidates.append(folder)
     newest = max(published, default=None)
+    refs = referenced(root) if candidates else {}
     for folder in candidates:
         until = lease_until(folder)
-        if newest is None:
+        if folder.name in refs:
+            reason = f"checkpoint {refs[folder.name]} refers to its records (an incremental commit)"
+        elif newest is None:
             reason = "no checkpoint under the root is published yet"
         elif until is not None and until > now:
             reason = f"its publish lease runs until {time.strftime('%H:%M:%S', time.localtime(until))}"

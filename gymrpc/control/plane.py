@@ -150,6 +150,10 @@ class _Write:
         return Path(self.args[0])
 
     @property
+    def base_dir(self) -> str:
+        return str(self.args[4])
+
+    @property
     def unfinished(self) -> bool:
         return self.stage is not _Stage.ABANDONED and (self.task is None or not self.task.done())
 
@@ -178,6 +182,8 @@ class ControlPlane:
         self._write: _Write | None = None
         self._persisting: OrderedDict[str, _Write] = OrderedDict()
         self._retiring = 0
+        self._written: store.Written | None = None
+        """Where the records of the last finished write lie: the base of an incremental commit."""
         self.awaiting_restore = False
         """Started closed for a restore (`await_restore`): a restore or any resume opens admission."""
 
@@ -301,16 +307,23 @@ class ControlPlane:
         scope: Scope,
         stop: bool = False,
         background: bool = False,
+        base_dir: str = "",
     ) -> pb.CheckpointManifest | None:
         """Capture once, build and write the records file, then the manifest; all before `deadline`.
 
         `background`: reply (None) right after the capture, so the episodes parked for it can
-        resume; the write goes on and `persist` returns its manifest.
+        resume; the write goes on and `persist` returns its manifest. `base_dir`: the previous
+        published checkpoint of the same root; records already there are referred to, not written.
         """
         check_id(checkpoint_id, "checkpoint_id")
         root = store.check_checkpoint_dir(checkpoint_dir)
+        if base_dir and (store.check_checkpoint_dir(base_dir).parent != root.parent or base_dir == str(root)):
+            raise InvalidArgument(
+                f"base_checkpoint_dir {base_dir[:200]!r} must be another checkpoint of the root of {str(root)[:200]}",
+                metadata={"field": "base_checkpoint_dir"},
+            )
         self._check_deadline(deadline)
-        args = (str(root), scope, stop, background)
+        args = (str(root), scope, stop, background, base_dir)
         async with self._lock:
             if (cached := self.replies.get(Op.COMMIT, checkpoint_id, args)) is not None:
                 return cached if cached.checkpoint_id else None  # an empty manifest: captured, persisting
@@ -563,9 +576,15 @@ class ControlPlane:
             write.stop.check()  # resumed or abandoned: stop building, nothing is written
             records.append(record)
         write.build_s = time.perf_counter() - started
-        return store.write_checkpoint(
-            write.root, self.kind, self.name, write.checkpoint_id, records, write.stop, self.endpoint_id
+        base = self._written
+        if not write.base_dir or base is None or str(base.checkpoint_dir) != write.base_dir or not base.usable():
+            base = None  # not incremental, or this process did not write that base (restarted): write everything
+        track = store.Written(write.root)
+        manifest = store.write_checkpoint(
+            write.root, self.kind, self.name, write.checkpoint_id, records, write.stop, self.endpoint_id, base, track
         )
+        self._written = track
+        return manifest
 
     # -- resume ------------------------------------------------------------------------------
 
