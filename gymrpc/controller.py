@@ -725,7 +725,7 @@ class Controller:
                 if not resumed:
                     await asyncio.shield(self._abort(checkpoint_id))
                 if committed:  # some members may have written: stop them for good, remove the folder
-                    await asyncio.shield(self.discard(checkpoint_id, folder))
+                    await asyncio.shield(self.discard(checkpoint_id, folder, timeout=min(timeout, CLEANUP_SECONDS)))
                 raise
             if not resumed and not (stop and result.committed):
                 await self.resume(checkpoint_id)

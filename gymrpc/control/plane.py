@@ -181,6 +181,8 @@ class ControlPlane:
         self._lock = asyncio.Lock()
         self._write: _Write | None = None
         self._persisting: OrderedDict[str, _Write] = OrderedDict()
+        self._stopped: OrderedDict[str, _Write] = OrderedDict()
+        """Writes a resume stopped before they ended (a slow or hung disk): `abandon` waits for them."""
         self._retiring = 0
         self._written: store.Written | None = None
         """Where the records of the last finished write lie: the base of an incremental commit."""
@@ -483,7 +485,7 @@ class ControlPlane:
         check_id(checkpoint_id, "checkpoint_id")
         self._check_deadline(deadline)
         async with self._lock:
-            write = self._persisting.get(checkpoint_id)
+            write = self._persisting.get(checkpoint_id) or self._stopped.get(checkpoint_id)
             if write is None and self._write is not None and self._write.checkpoint_id == checkpoint_id:
                 write = self._write  # a stop-the-world commit still open
             if write is None:
@@ -493,7 +495,8 @@ class ControlPlane:
                     metadata={"checkpoint_id": checkpoint_id, "name": self.name},
                 )
             write.stage = _Stage.ABANDONED  # never started (again) from here on
-            write.capture = None
+            if write is not self._write:
+                write.capture = None  # an open commit's retry still finds it (and is stopped at once)
             task = write.task
             await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it
         if task is not None and not task.done():
@@ -612,8 +615,10 @@ class ControlPlane:
         write, self._write = self._write, None
         if write is not None:
             await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it
-            if write.task is not None and not write.task.done():
-                await asyncio.wait([write.task])  # it stops at its next record: then nothing writes for it
+            if write.task is not None and not write.task.done():  # it ends at its next record: `abandon` waits
+                self._stopped[write.checkpoint_id] = write
+                while len(self._stopped) > REMEMBERED_PERSISTS:
+                    self._stopped.popitem(last=False)
         await self.participant.open_admission()
         self.fence.close(checkpoint_id)
         self.replies.drop(checkpoint_id)
