@@ -12,7 +12,7 @@
     gymrpc ctl checkpoint --dir D [--episodes ...] [--id ID] [--incremental]
                                                                prepare, commit into D/ID, resume
     gymrpc ctl inspect D                                       a checkpoint folder's index, verified (no stack)
-    gymrpc ctl gc ROOT [--dry-run]                             remove unpublished checkpoint folders (no stack)
+    gymrpc ctl gc ROOT [--dry-run] [--keep N]                  remove unpublished (and old) checkpoint folders
 
 Built on `gymrpc.Controller`, so it keeps its orders (prepare environment, model, agent,
 resources and stop at the first stage not ready; resume in reverse; retire callers first)
@@ -157,6 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep = command("gc", "remove the unpublished checkpoint folders under ROOT older than its newest published one")
     sweep.add_argument("root", metavar="ROOT", help="the checkpoint root (the folder holding ROOT/ID folders)")
     sweep.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+    sweep.add_argument(
+        "--keep",
+        type=int,
+        metavar="N",
+        help="also remove published checkpoints but the newest N (never one a kept checkpoint refers to)",
+    )
 
 
 def run(args: argparse.Namespace, run_dir: Path) -> int:
@@ -318,7 +324,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     """Sweep a checkpoint root offline; exit 1 if the root is refused."""
     try:
-        verdicts = gc.sweep(os.path.abspath(args.root), dry_run=args.dry_run)
+        verdicts = gc.sweep(os.path.abspath(args.root), dry_run=args.dry_run, keep=args.keep)
     except (GymrpcError, OSError) as exc:
         message = f"{exc.code.name} {exc.reason}: {exc.message}" if isinstance(exc, GymrpcError) else str(exc)
         print(f"gymrpc ctl gc: {message}", file=sys.stderr)

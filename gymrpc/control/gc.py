@@ -209,9 +209,9 @@ def newest_published(root: Path) -> Path | None:
     return None if newest is None else newest[1]
 
 
-def referenced(root: Path) -> dict[str, str]:
-    """Checkpoint folder name -> a folder under `root` whose manifests refer to its records (incremental)."""
-    refs: dict[str, str] = {}
+def referenced(root: Path) -> dict[str, set[str]]:
+    """Checkpoint folder name -> the folders under `root` whose manifests refer to its records (incremental)."""
+    refs: dict[str, set[str]] = {}
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
             continue
@@ -228,20 +228,27 @@ def referenced(root: Path) -> dict[str, str]:
                 for segment in manifest.segments if manifest is not None else ():
                     name = segment.records_path.partition("/")[0]
                     if name and name != entry.name:
-                        refs.setdefault(name, entry.name)
+                        refs.setdefault(name, set()).add(entry.name)
     return refs
 
 
-def sweep(root: str | os.PathLike[str], *, dry_run: bool = False, now: float | None = None) -> list[Verdict]:
+def sweep(
+    root: str | os.PathLike[str], *, dry_run: bool = False, now: float | None = None, keep: int | None = None
+) -> list[Verdict]:
     """Remove the unpublished checkpoint folders under `root` older than its newest published checkpoint.
 
     Returns a verdict for every index-less checkpoint folder (removed, or kept and why), sorted by
     name; published folders and entries that are not checkpoint folders are left alone and not listed.
     `dry_run`: decide, remove nothing. Without any published checkpoint under `root` nothing is removed.
+    `keep`: also remove published checkpoints other than the newest `keep` (at least 1), except
+    those whose records a checkpoint that stays refers to (incremental commits); those are listed too.
     """
     root = check_root(root)
+    if keep is not None and keep < 1:
+        raise InvalidArgument(f"keep must be at least 1, not {keep}", metadata={"field": "keep"})
     now = time.time() if now is None else now
     published: list[float] = []
+    by_time: list[tuple[float, Path]] = []
     candidates: list[Path] = []
     verdicts = []
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
@@ -258,16 +265,17 @@ def sweep(root: str | os.PathLike[str], *, dry_run: bool = False, now: float | N
         if (folder / INDEX).exists():
             try:
                 published.append(_load_index(folder / INDEX).create_time.ToNanoseconds() / 1e9)
+                by_time.append((published[-1], folder))
             except DataLoss:
                 continue  # damaged: neither garbage nor a reference point
         elif checkpoint_shaped(folder):
             candidates.append(folder)
     newest = max(published, default=None)
-    refs = referenced(root) if candidates else {}
+    refs = referenced(root) if candidates or keep is not None else {}
     for folder in candidates:
         until = lease_until(folder)
         if folder.name in refs:
-            reason = f"checkpoint {refs[folder.name]} refers to its records (an incremental commit)"
+            reason = f"checkpoint {min(refs[folder.name])} refers to its records (an incremental commit)"
         elif newest is None:
             reason = "no checkpoint under the root is published yet"
         elif until is not None and until > now:
@@ -280,4 +288,30 @@ def sweep(root: str | os.PathLike[str], *, dry_run: bool = False, now: float | N
             verdicts.append(Verdict(folder, True, "unpublished, older than the newest published checkpoint"))
             continue
         verdicts.append(Verdict(folder, False, reason))
+    if keep is not None:
+        verdicts += _retire_published(sorted(by_time, reverse=True)[keep:], root, refs, dry_run)
+    return verdicts
+
+
+def _retire_published(
+    old: list[tuple[float, Path]], root: Path, refs: dict[str, set[str]], dry_run: bool
+) -> list[Verdict]:
+    """Remove the published folders `old`, but none whose records a folder that stays refers to."""
+    removable = {folder.name for _, folder in old}
+    changed = True
+    while changed:  # a folder kept for a reference keeps what it refers to in turn
+        changed = False
+        for name in sorted(removable):
+            if refs.get(name, set()) - removable:
+                removable.discard(name)
+                changed = True
+    verdicts = []
+    for _, folder in sorted(old, key=lambda t: t[1].name):
+        if folder.name in removable:
+            if not dry_run:
+                _remove(folder)
+            verdicts.append(Verdict(folder, True, "published, older than the checkpoints kept"))
+        else:
+            stays = min(refs[folder.name] - removable)
+            verdicts.append(Verdict(folder, False, f"published; checkpoint {stays} refers to its records"))
     return verdicts

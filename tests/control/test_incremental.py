@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from gymrpc import cli
 from gymrpc.control import Kind, gc, store
 from gymrpc.control.index import write_index
-from gymrpc.errors import DataLoss
+from gymrpc.errors import DataLoss, InvalidArgument
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from tests.control.test_nonstop import EPISODES, WAIT, counter, restored, seeded
 
@@ -138,3 +140,34 @@ def test_newest_published_is_the_newest_index(tmp_path: Path) -> None:
         write_index(tmp_path / checkpoint_id, checkpoint_id, [manifest])
     write(tmp_path, "z", records(1))  # unpublished
     assert gc.newest_published(tmp_path) == tmp_path / "a"
+
+
+def test_keep_removes_old_published_checkpoints_but_never_one_still_referred_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def publish(checkpoint_id: str, changed: int, base: store.Written | None) -> store.Written:
+        manifest, track = write(tmp_path, checkpoint_id, records(5, changed=changed), base)
+        write_index(tmp_path / checkpoint_id, checkpoint_id, [manifest])
+        return track
+
+    c1 = publish("c1", 0, None)  # full
+    c2 = publish("c2", 1, c1)  # refers to c1
+    publish("c3", 2, None)  # full
+    publish("c4", 3, c2)  # refers to c2 and, through it, to the files of c1 it holds
+    assert gc.referenced(tmp_path) == {"c1": {"c2", "c4"}, "c2": {"c4"}}
+    assert [(v.path.name, v.removed) for v in gc.sweep(tmp_path, keep=1, dry_run=True)] == [
+        ("c1", False),
+        ("c2", False),
+        ("c3", True),
+    ]
+    code = cli.main(["--run-dir", str(tmp_path / "no-stack"), "ctl", "gc", str(tmp_path), "--keep", "1"])
+    assert code == 0
+    assert f"removed {tmp_path / 'c3'}: published, older than the checkpoints kept" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["c1", "c2", "c4"]
+    assert store.read_checkpoint(tmp_path / "c4", Kind.RESOURCES, NAME)[1] == records(5, changed=3)
+    (tmp_path / "c4" / "checkpoint.json").unlink()  # c4 no longer published: c3 was the newest kept
+    shutil.rmtree(tmp_path / "c4")
+    assert [(v.path.name, v.removed) for v in gc.sweep(tmp_path, keep=1)] == [("c1", False)]  # c2 refers to c1
+    assert sorted(os.listdir(tmp_path)) == ["c1", "c2"]
+    with pytest.raises(InvalidArgument):
+        gc.sweep(tmp_path, keep=0)
