@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.vllm.helpers import ROOT, TEST_TIMEOUT, VllmStack, alive, descendants
+from tests.vllm.helpers import ROOT, START_TIMEOUT, TEST_TIMEOUT, VllmStack, alive, descendants
 
 pytestmark = [
     pytest.mark.vllm,
@@ -63,6 +63,9 @@ def command(kind: str, work: Path, run_dir: Path | None = None) -> list[str]:
 def stack_config(work: Path) -> dict[str, Any]:
     config = yaml.safe_load(doc_blocks()["stack"].replace(WORK, str(work)))
     config["restart"] = {"max_restarts": 5, "window_seconds": 60, "backoff_seconds": 0.05}
+    for server in config["servers"]:  # the doc's 300 s is for a quiet machine; CI may be busy
+        if "start_timeout" in server:
+            server["start_timeout"] = max(server["start_timeout"], START_TIMEOUT)
     return config
 
 
