@@ -19,7 +19,10 @@ Measured, with `--episodes` in flight:
   for the in-memory capture. For each: the time parked (commit's start to the end of the resume;
   the prepare before it is the figure above) and the time from commit's start to the published
   index; for non-stop, also the participants' captures alone (each plane's own timing, summed:
-  they share this process's event loop, so the pause holds their sum);
+  they share this process's event loop, so the pause holds their sum). Non-stop runs twice: with
+  the packed scope controllers send, and with one `EpisodeId` message per episode (what an older
+  participant gets, and what every controller sent before), rounds alternating, so the ratio of
+  the two is measured under one load;
 - Restore: into freshly started participants, all or nothing, wall time; then resume;
 - bytes per episode: the records files' size (manifests' `size_bytes`) over the episodes, per kind.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import statistics
@@ -49,6 +53,11 @@ from gymrpc.control import EpisodeKey  # noqa: E402
 from tests.control.deployment import Deployment, DirectClient  # noqa: E402
 
 REFERENCE = "reference (NeMo Gym): prepare 4-8 ms with 40-80 episodes in flight"
+MODES = ("stop", "nonstop", "nonstop-messages")
+"""Commit rounds cycle through these: stop-the-world; non-stop with the packed scope (what controllers
+send); non-stop with one `EpisodeId` message per episode (what they send a participant that does not
+say it reads the packed form, and what every controller sent before), so both scope forms are
+measured in one run, under the same load."""
 
 
 class _Timed:
@@ -130,37 +139,42 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await deployment.controller.resume(f"warm-{warm}")
         timed.prepare_ms.clear()
         staged_ms: list[float] = []
-        parked_ms: dict[str, list[float]] = {"stop": [], "nonstop": []}
-        publish_ms: dict[str, list[float]] = {"stop": [], "nonstop": []}
-        capture_ms: list[float] = []
+        parked_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
+        publish_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
+        capture_ms: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
         manifests: dict[str, Any] = {}
         controller = deployment.controller
+        members = await controller.discover()
+        as_messages = [dataclasses.replace(m, packed_scope=False) for m in members]  # as an older participant
         for round_ in range(args.rounds):
             checkpoint_id = f"c{round_}"
             started = time.perf_counter()
             result = await controller.prepare(checkpoint_id, timeout=30)
             staged_ms.append((time.perf_counter() - started) * 1000)
             assert result.prepared, result.blockers()
-            if round_ >= 2 * args.commits:
+            if round_ >= len(MODES) * args.commits:
                 await controller.resume(checkpoint_id)
                 continue
             folder = root / checkpoint_id
+            mode = MODES[round_ % len(MODES)]
+            controller.members = as_messages if mode == "nonstop-messages" else members
             started = time.perf_counter()
-            if round_ % 2 == 0:  # stop-the-world: parked until every member wrote
+            if mode == "stop":  # stop-the-world: parked until every member wrote
                 manifests = await controller.commit(checkpoint_id, folder, keys, timeout=120)
                 published = time.perf_counter()
                 await controller.resume(checkpoint_id)
-                mode, resumed = "stop", time.perf_counter()
+                resumed = time.perf_counter()
             else:  # non-stop: parked for the capture only
                 captured = await controller.capture(checkpoint_id, folder, keys, timeout=120)
                 await controller.resume(checkpoint_id)
                 resumed = time.perf_counter()
                 captures = [node.plane.capture_seconds(checkpoint_id) for node in deployment.nodes.values()]
-                capture_ms.append(sum(s or 0.0 for s in captures) * 1000)
+                capture_ms[mode].append(sum(s or 0.0 for s in captures) * 1000)
                 manifests, _ = await controller.publish(captured)
-                mode, published = "nonstop", time.perf_counter()
+                published = time.perf_counter()
             parked_ms[mode].append((resumed - started) * 1000)
             publish_ms[mode].append((published - started) * 1000)
+        controller.members = members
         per_rpc = [ms for values in timed.prepare_ms.values() for ms in values]
         bytes_by_kind: dict[str, int] = defaultdict(int)
         for name, manifest in manifests.items():
@@ -195,9 +209,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "publish_max": max(publish_ms[mode]),
                     "n": len(parked_ms[mode]),
                 }
-                for mode in ("stop", "nonstop")
+                for mode in MODES
             },
-            "capture_ms_summed": {"median": statistics.median(capture_ms), "max": max(capture_ms)},
+            "capture_ms_summed": {
+                mode: {"median": statistics.median(values), "max": max(values)} for mode, values in capture_ms.items()
+            },
             "restore_ms": restore_ms,
             "bytes_per_episode": total_bytes / args.episodes,
             "bytes_per_episode_by_kind": {k: v / args.episodes for k, v in sorted(bytes_by_kind.items())},
@@ -221,12 +237,23 @@ def report(r: dict[str, Any]) -> str:
                 f"commit, {label}: parked median {c['parked_median']:.1f} ms (max {c['parked_max']:.1f}), "
                 f"commit to publish median {c['publish_median']:.1f} ms (max {c['publish_max']:.1f}), "
                 f"{c['n']} checkpoints"
-                for label, c in (("stop-the-world", commit["stop"]), ("non-stop      ", commit["nonstop"]))
+                for label, c in (
+                    ("stop-the-world          ", commit["stop"]),
+                    ("non-stop                ", commit["nonstop"]),
+                    ("non-stop, EpisodeId scope", commit["nonstop-messages"]),
+                )
             ),
-            f"non-stop, the participants' captures alone (summed): median {r['capture_ms_summed']['median']:.1f} ms "
-            f"(max {r['capture_ms_summed']['max']:.1f})",
+            *(
+                f"{label}, the participants' captures alone (summed): median {c['median']:.1f} ms (max {c['max']:.1f})"
+                for label, c in (
+                    ("non-stop", r["capture_ms_summed"]["nonstop"]),
+                    ("non-stop, EpisodeId scope", r["capture_ms_summed"]["nonstop-messages"]),
+                )
+            ),
             f"parked time, non-stop over stop-the-world: "
             f"{commit['nonstop']['parked_median'] / commit['stop']['parked_median']:.2f}x",
+            f"parked time, packed scope over one EpisodeId message per episode (both non-stop): "
+            f"{commit['nonstop']['parked_median'] / commit['nonstop-messages']['parked_median']:.2f}x",
             f"restore into fresh participants: {r['restore_ms']:.1f} ms",
             f"bytes per episode: {r['bytes_per_episode']:.0f} ({kinds})",
             REFERENCE,
@@ -236,7 +263,7 @@ def report(r: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="100 episodes, 5 rounds (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="100 episodes, 6 rounds (a smoke run)")
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument(
         "--rounds", type=int, default=200, help="prepare/resume rounds (a p99 needs well over 100; 30 gives the max)"
@@ -247,9 +274,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     if args.quick:
-        args.episodes, args.rounds, args.commits = 100, 5, 2
-    args.commits = max(1, min(args.commits, args.rounds // 2))
-    args.rounds = max(args.rounds, 2 * args.commits)
+        args.episodes, args.rounds, args.commits = 100, 6, 2
+    args.commits = max(1, min(args.commits, args.rounds // len(MODES)))
+    args.rounds = max(args.rounds, len(MODES) * args.commits)
     result = asyncio.run(bench(args))
     print(report(result))
     if args.json:
