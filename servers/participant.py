@@ -39,7 +39,7 @@ def _deadline(
     return request_seconds(request.deadline, "deadline")
 
 
-def _commit_scope(request: pb.CommitRequest) -> Scope:
+def commit_scope(request: pb.CommitRequest) -> Scope:
     """The episodes a Commit continues, from either form; None: every parked one (no explicit scope)."""
     if request.scope_rollout_ids or request.scope_attempts:
         if request.episode_ids:
@@ -89,7 +89,7 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         if background := request.persist_in_background:
             collection.hold(self.plane)  # until the resume: no full collection while the episodes wait
         try:
-            scope = _commit_scope(request)
+            scope = commit_scope(request)
             manifest = await self.plane.commit(
                 request.checkpoint_id,
                 _deadline(request),
