@@ -4,7 +4,10 @@ Participants are real gRPC servers (`grpc.aio` on 127.0.0.1, token check and err
 `gymrpc up` serves them) running in this one process (`tests/control/deployment.py`): an agent-kind
 participant, models and counter resources servers. One process keeps the figures about the
 control plane itself (no scheduler noise from a dozen processes); the cost of a process hop is
-the same loopback gRPC call either way. Every episode in flight has a live resources session
+the same loopback gRPC call either way. But one event loop also serialises what a stack does side
+by side: a pause holds the sum of every participant's handling. `--processes` serves each
+participant from a process of its own (this script with `--serve NAME`), as a stack does; the
+participants' own capture timings are then not read. Every episode in flight has a live resources session
 (exported snapshot), a model ledger row per delivered call, and agent state at a boundary.
 
 Measured, with `--episodes` in flight:
@@ -28,7 +31,8 @@ Measured, with `--episodes` in flight:
 
 The reference (NeMo Gym, HTTP) reports prepare in 4-8 ms with 40-80 episodes in flight.
 
-    .venv/bin/python bench/control.py [--quick] [--episodes N] [--rounds R] [--resources K] [--json out.json]
+    .venv/bin/python bench/control.py [--quick] [--episodes N] [--rounds R] [--resources K] [--processes]
+                                      [--json out.json]
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gymrpc.control import EpisodeKey  # noqa: E402
-from tests.control.deployment import Deployment, DirectClient  # noqa: E402
+from tests.control.deployment import Deployment, DirectClient, start_node  # noqa: E402
 
 REFERENCE = "reference (NeMo Gym): prepare 4-8 ms with 40-80 episodes in flight"
 MODES = ("stop", "nonstop", "nonstop-messages")
@@ -58,6 +62,9 @@ MODES = ("stop", "nonstop", "nonstop-messages")
 send); non-stop with one `EpisodeId` message per episode (what they send a participant that does not
 say it reads the packed form, and what every controller sent before), so both scope forms are
 measured in one run, under the same load."""
+ORDER = ("stop", "nonstop", "nonstop-messages", "stop", "nonstop-messages", "nonstop")
+"""Each non-stop mode follows stop-the-world (whose records are built in the pause, leaving the most
+garbage) as often as the other does."""
 
 
 class _Timed:
@@ -96,14 +103,69 @@ class TimedClient(DirectClient):
         return timed
 
 
+@dataclasses.dataclass
+class ProcessNode:
+    """A participant served by a process of its own (`--processes`), as `Deployment` sees a node."""
+
+    name: str
+    address: str
+    process: asyncio.subprocess.Process
+    alive: bool = True
+
+    async def kill(self) -> None:
+        if self.alive:
+            self.alive = False
+            assert self.process.stdin is not None
+            self.process.stdin.close()  # the child stops its server and exits
+            await self.process.wait()
+
+
+async def spawn(participants: list[str], episodes: int) -> Deployment:
+    """Each participant in its own process (`--serve`), as in a stack; the agent tracks its episodes itself."""
+    nodes: dict[str, Any] = {}
+    for name in participants:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--serve",
+            name,
+            "--episodes",
+            str(episodes),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None
+        address = (await process.stdout.readline()).decode().strip()
+        assert address, f"{name} did not start"
+        nodes[name] = ProcessNode(name, address, process)
+    deployment = Deployment(nodes)
+    await deployment.controller.discover()
+    return deployment
+
+
+async def serve(name: str, episodes: int) -> None:
+    """One participant for `--processes`: print its address, serve until stdin closes."""
+    node = await start_node(name)
+    if name.startswith("agent/"):
+        for key in keys_of(episodes):
+            node.participant.track(key)
+    print(node.address, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await node.kill()
+
+
+def keys_of(episodes: int) -> list[EpisodeKey]:
+    return [EpisodeKey(f"e{i:05d}", 0) for i in range(episodes)]
+
+
 def names(resources: int, models: int) -> list[str]:
     return ["agent/a", *(f"model/m{i}" for i in range(models)), *(f"resources/r{i}" for i in range(resources))]
 
 
 async def load(deployment: Deployment, episodes: int, resources: int, models: int) -> list[EpisodeKey]:
     """Put `episodes` in flight: a seeded session, one delivered model call, one tool call, agent state."""
-    keys = [EpisodeKey(f"e{i:05d}", 0) for i in range(episodes)]
-    agent = deployment.nodes["agent/a"].participant
+    keys = keys_of(episodes)
+    agent = getattr(deployment.nodes["agent/a"], "participant", None)  # None: its own process tracks them
     gate = asyncio.Semaphore(64)
 
     async def one(i: int, key: EpisodeKey) -> None:
@@ -112,7 +174,8 @@ async def load(deployment: Deployment, episodes: int, resources: int, models: in
             await deployment.seed(res, key)
             await deployment.generate(model, key, 0)
             await deployment.increment(res, key, "call-0")
-            agent.track(key)
+            if agent is not None:
+                agent.track(key)
 
     await asyncio.gather(*(one(i, k) for i, k in enumerate(keys)))
     return keys
@@ -125,7 +188,12 @@ def pct(values: list[float], q: float) -> float:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     participants = names(args.resources, args.models)
-    deployment = await Deployment.start(participants)
+
+    async def start(episodes: int = 0) -> Deployment:
+        """`episodes`: how many the agent process tracks from its start (a restore needs a fresh one)."""
+        return await (spawn(participants, episodes) if args.processes else Deployment.start(participants))
+
+    deployment = await start(args.episodes)
     timed = TimedClient(deployment.client)
     deployment.client = timed
     deployment.controller.client = timed  # type: ignore[assignment]
@@ -156,7 +224,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 await controller.resume(checkpoint_id)
                 continue
             folder = root / checkpoint_id
-            mode = MODES[round_ % len(MODES)]
+            mode = ORDER[round_ % len(ORDER)]
             controller.members = as_messages if mode == "nonstop-messages" else members
             started = time.perf_counter()
             if mode == "stop":  # stop-the-world: parked until every member wrote
@@ -168,8 +236,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 captured = await controller.capture(checkpoint_id, folder, keys, timeout=120)
                 await controller.resume(checkpoint_id)
                 resumed = time.perf_counter()
-                captures = [node.plane.capture_seconds(checkpoint_id) for node in deployment.nodes.values()]
-                capture_ms[mode].append(sum(s or 0.0 for s in captures) * 1000)
+                if not args.processes:  # each plane's own timing, read in this process
+                    captures = [node.plane.capture_seconds(checkpoint_id) for node in deployment.nodes.values()]
+                    capture_ms[mode].append(sum(s or 0.0 for s in captures) * 1000)
                 manifests, _ = await controller.publish(captured)
                 published = time.perf_counter()
             parked_ms[mode].append((resumed - started) * 1000)
@@ -179,7 +248,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         bytes_by_kind: dict[str, int] = defaultdict(int)
         for name, manifest in manifests.items():
             bytes_by_kind[name.partition("/")[0]] += manifest.size_bytes
-        fresh = await Deployment.start(participants)
+        fresh = await start()
         try:
             started = time.perf_counter()
             restored = await fresh.controller.restore("restore-1", root / "c1", keys, timeout=300)
@@ -211,8 +280,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 for mode in MODES
             },
+            "processes": args.processes,
             "capture_ms_summed": {
-                mode: {"median": statistics.median(values), "max": max(values)} for mode, values in capture_ms.items()
+                mode: {"median": statistics.median(values), "max": max(values)}
+                for mode, values in capture_ms.items()
+                if values
             },
             "restore_ms": restore_ms,
             "bytes_per_episode": total_bytes / args.episodes,
@@ -229,7 +301,8 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"{r['episodes']} episodes in flight across {r['participants']} participants "
-            f"(in-process gRPC servers; loaded in {r['load_s']} s), {r['rounds']} rounds",
+            f"({'gRPC servers, one process each' if r['processes'] else 'in-process gRPC servers'}; "
+            f"loaded in {r['load_s']} s), {r['rounds']} rounds",
             f"prepare, per participant RPC: p50 {rpc['p50']:.2f} ms, p99 {rpc['p99']:.2f} ms ({rpc['n']} calls)",
             f"prepare, whole staged prepare:  p50 {staged['p50']:.2f} ms, p99 {staged['p99']:.2f} ms "
             f"(max {staged['max']:.2f} ms, {staged['n']} rounds)",
@@ -245,10 +318,8 @@ def report(r: dict[str, Any]) -> str:
             ),
             *(
                 f"{label}, the participants' captures alone (summed): median {c['median']:.1f} ms (max {c['max']:.1f})"
-                for label, c in (
-                    ("non-stop", r["capture_ms_summed"]["nonstop"]),
-                    ("non-stop, EpisodeId scope", r["capture_ms_summed"]["nonstop-messages"]),
-                )
+                for label, mode in (("non-stop", "nonstop"), ("non-stop, EpisodeId scope", "nonstop-messages"))
+                if (c := r["capture_ms_summed"].get(mode)) is not None
             ),
             f"parked time, non-stop over stop-the-world: "
             f"{commit['nonstop']['parked_median'] / commit['stop']['parked_median']:.2f}x",
@@ -272,7 +343,14 @@ def main() -> int:
     parser.add_argument("--resources", type=int, default=4, help="resources servers")
     parser.add_argument("--models", type=int, default=2, help="model servers")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--processes", action="store_true", help="each participant in its own process, as in a stack (not --quick)"
+    )
+    parser.add_argument("--serve", metavar="NAME", help=argparse.SUPPRESS)  # one participant of --processes
     args = parser.parse_args()
+    if args.serve:
+        asyncio.run(serve(args.serve, args.episodes))
+        return 0
     if args.quick:
         args.episodes, args.rounds, args.commits = 100, 6, 2
     args.commits = max(1, min(args.commits, args.rounds // len(MODES)))
