@@ -25,7 +25,7 @@ from gymrpc.control import EpisodeKey, Kind, store
 from gymrpc.control.index import INDEX, read_index
 from gymrpc.control.types import packed_scope
 from gymrpc.controller import CoordinationError
-from gymrpc.errors import FailedPrecondition
+from gymrpc.errors import FailedPrecondition, InvalidArgument
 from gymrpc.pbtime import timestamp
 from gymrpc.servers.participant import ParticipantServicer, commit_scope
 from gymrpc.v1 import common_pb2
@@ -261,6 +261,13 @@ def test_both_scope_forms_decode_to_the_same_scope() -> None:
     assert {type(e) for e in scopes[1]} == {EpisodeKey}  # participants read `.rollout_id` off them
     assert commit_scope(pb.CommitRequest(explicit_scope=True)) == frozenset()  # continues none
     assert commit_scope(pb.CommitRequest()) is None  # the older meaning: every parked episode
+    # The one-pass id check joins ids with newlines: an id holding one must not pass as two.
+    for request in (
+        pb.CommitRequest(episode_ids=[common_pb2.EpisodeId(rollout_id="e0"), common_pb2.EpisodeId(rollout_id="a\nb")]),
+        pb.CommitRequest(scope_rollout_ids=["e0", "a\nb"], scope_attempts=[0, 0]),
+    ):
+        with pytest.raises(InvalidArgument, match=r"(episode_ids|scope_rollout_ids)\[1\]"):
+            commit_scope(request)
 
 
 @pytest.mark.parametrize("form", ["packed", "messages", "mixed"])
