@@ -27,12 +27,17 @@ Measured, with `--episodes` in flight:
   participant gets, and what every controller sent before), rounds alternating, so the ratio of
   the two is measured under one load;
 - Restore: into freshly started participants, all or nothing, wall time; then resume;
-- bytes per episode: the records files' size (manifests' `size_bytes`) over the episodes, per kind.
+- bytes per episode: the records files' size (manifests' `size_bytes`) over the episodes, per kind;
+- incremental commits: one full checkpoint, then `--changed` episodes take one more step (a model
+  call and a tool call), then an incremental checkpoint (`Controller.checkpoint(incremental=True)`,
+  which refers to the unchanged records of the first) and a full one of the same state, in this
+  run: the bytes each wrote (every file in its folder: records, manifests, index) and the ratio of
+  incremental over full, and the time from commit to publish of each.
 
 The reference (NeMo Gym, HTTP) reports prepare in 4-8 ms with 40-80 episodes in flight.
 
-    .venv/bin/python bench/control.py [--quick] [--episodes N] [--rounds R] [--resources K] [--processes]
-                                      [--json out.json]
+    .venv/bin/python bench/control.py [--quick] [--episodes N] [--rounds R] [--resources K] [--changed C]
+        [--processes] [--json out.json]
 """
 
 from __future__ import annotations
@@ -185,6 +190,33 @@ async def load(deployment: Deployment, episodes: int, resources: int, models: in
     return keys
 
 
+def folder_bytes(folder: Path) -> int:
+    """Every byte a checkpoint wrote into its folder: records files, manifests, index."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+async def incremental(deployment: Deployment, root: Path, keys: list[EpisodeKey], args: argparse.Namespace) -> dict:
+    """Bytes written by an incremental commit after `args.changed` episodes moved, against a full one."""
+    controller = deployment.controller
+    base = await controller.checkpoint(root, episode_ids=keys, checkpoint_id="inc-base", timeout=120, incremental=True)
+    assert base.committed
+    for i, key in enumerate(keys[: args.changed]):
+        await deployment.generate(f"model/m{i % args.models}", key, 1)
+        await deployment.increment(f"resources/r{i % args.resources}", key, "call-1")
+    figures: dict[str, Any] = {"changed": min(args.changed, len(keys))}
+    for mode, incremental in (("incremental", True), ("full", False)):
+        result = await controller.checkpoint(
+            root, episode_ids=keys, checkpoint_id=f"inc-{mode}", timeout=120, incremental=incremental
+        )
+        assert result.committed
+        figures[mode] = {
+            "bytes": folder_bytes(result.checkpoint_dir),
+            "commit_to_publish_ms": result.timings["commit_to_publish"] * 1000,
+        }
+    figures["ratio"] = figures["incremental"]["bytes"] / figures["full"]["bytes"]
+    return figures
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
@@ -254,6 +286,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             parked_ms[mode].append((resumed - started) * 1000)
             publish_ms[mode].append((published - started) * 1000)
         controller.members = members
+        increments = await incremental(deployment, root / "incremental", keys, args)
         per_rpc = [ms for values in timed.prepare_ms.values() for ms in values]
         bytes_by_kind: dict[str, int] = defaultdict(int)
         for name, manifest in manifests.items():
@@ -306,6 +339,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "restore_ms": restore_ms,
             "bytes_per_episode": total_bytes / args.episodes,
             "bytes_per_episode_by_kind": {k: v / args.episodes for k, v in sorted(bytes_by_kind.items())},
+            "incremental": increments,
         }
     finally:
         await deployment.close()
@@ -315,6 +349,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 def report(r: dict[str, Any]) -> str:
     rpc, staged, commit = r["prepare_rpc_ms"], r["prepare_staged_ms"], r["commit_ms"]
     kinds = ", ".join(f"{k} {v:.0f}" for k, v in r["bytes_per_episode_by_kind"].items())
+    inc = r["incremental"]
     return "\n".join(
         [
             f"{r['episodes']} episodes in flight across {r['participants']} participants "
@@ -352,6 +387,10 @@ def report(r: dict[str, Any]) -> str:
             f"{commit['nonstop']['parked_median'] / commit['nonstop-messages']['parked_median']:.2f}x",
             f"restore into fresh participants: {r['restore_ms']:.1f} ms",
             f"bytes per episode: {r['bytes_per_episode']:.0f} ({kinds})",
+            f"incremental commit after {inc['changed']} of {r['episodes']} episodes changed: "
+            f"{inc['incremental']['bytes']} bytes written, full commit of the same state {inc['full']['bytes']} bytes: "
+            f"{inc['ratio']:.3f}x (commit to publish {inc['incremental']['commit_to_publish_ms']:.1f} ms vs "
+            f"{inc['full']['commit_to_publish_ms']:.1f} ms)",
             REFERENCE,
         ]
     )
@@ -367,6 +406,7 @@ def main() -> int:
     parser.add_argument("--commits", type=int, default=5, help="checkpoints of each mode (rounds that also commit)")
     parser.add_argument("--resources", type=int, default=4, help="resources servers")
     parser.add_argument("--models", type=int, default=2, help="model servers")
+    parser.add_argument("--changed", type=int, default=10, help="episodes that move before the incremental commit")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument(
         "--processes", action="store_true", help="each participant in its own process, as in a stack (not --quick)"

@@ -11,6 +11,13 @@ figures are the protocol, the servers and the event loops, not a policy.
 Per concurrency level: `rounds` timed runs of `episodes` each, after one untimed warm-up;
 the table shows the median round. CPU columns are milliseconds of CPU per episode for each
 process (utime + stime from /proc), so the busiest one is the bottleneck.
+
+`--env workplace` runs WorkBench tasks from the repo's data instead (`bench/workplace_episodes.py`):
+resources with the workplace environment, the scripted model replaying recorded rollouts and
+ground-truth scripts, at concurrency 16, in one of two A/B modes whose rounds alternate sides:
+
+    .venv/bin/python bench/episodes.py --env workplace --compare incremental [-n 128] [--rounds 3]
+    .venv/bin/python bench/episodes.py --env workplace --checkpoint-every 5 [-n 128] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -133,18 +140,47 @@ def _row(c: int, r: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke-test size: levels 1,8,32, 40 episodes, 1 round")
-    parser.add_argument("--concurrency", default="1,8,32,128", help="comma-separated levels (default %(default)s)")
-    parser.add_argument("-n", "--episodes", type=int, default=400, help="timed episodes per round (at least 4 x c)")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per level; the median is shown")
+    parser.add_argument("--env", choices=("counter", "workplace"), default="counter", help="episodes of which env")
+    parser.add_argument("--concurrency", help="comma-separated levels (default 1,8,32,128; workplace: 16)")
+    parser.add_argument("-n", "--episodes", type=int, help="timed episodes per round (default 400; workplace: 128)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per level (workplace: per side)")
     parser.add_argument("--json", type=Path, help="write all results here")
+    workplace = parser.add_argument_group("--env workplace (A/B rounds, alternating sides)")
+    workplace.add_argument(
+        "--compare",
+        choices=("incremental",),
+        help="incremental: model servers with incremental prompts on and off; model-server CPU per episode",
+    )
+    workplace.add_argument(
+        "--checkpoint-every",
+        type=float,
+        metavar="SECONDS",
+        help="no checkpoints against a coordinated non-stop checkpoint every SECONDS; episodes/s",
+    )
+    workplace.add_argument("--tasks", type=int, default=10, help="WorkBench tasks to cycle through (at most 10)")
     args = parser.parse_args(argv)
+    if args.env == "counter" and (args.compare or args.checkpoint_every is not None):
+        parser.error("--compare and --checkpoint-every need --env workplace")
+    if args.env == "workplace" and (args.compare is None) == (args.checkpoint_every is None):
+        parser.error("--env workplace needs one of --compare incremental or --checkpoint-every SECONDS")
+    if args.checkpoint_every is not None and args.checkpoint_every <= 0:
+        parser.error("--checkpoint-every must be positive")
+    if not 1 <= args.tasks <= 10:
+        parser.error("--tasks must be between 1 and 10")
+    workplace_run = args.env == "workplace"
+    args.concurrency = args.concurrency or ("16" if workplace_run else "1,8,32,128")
+    args.episodes = args.episodes or (128 if workplace_run else 400)
     if args.quick:
-        args.concurrency, args.episodes, args.rounds = "1,8,32", 40, 1
+        args.concurrency, args.episodes, args.rounds = ("16", 16, 1) if workplace_run else ("1,8,32", 40, 1)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.env == "workplace":
+        from bench.workplace_episodes import run_workplace
+
+        return run_workplace(args)
     levels = [int(c) for c in args.concurrency.split(",")]
     run_dir = Path(tempfile.mkdtemp(prefix="gymrpc-bench-", dir="/tmp"))  # short: unix socket paths
     cores = os.cpu_count()

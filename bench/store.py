@@ -9,19 +9,30 @@ deltas), `log-whole` (every boundary written whole: `full_every=0`) and `files`
 (FilesystemEpisodeStore); the median is reported. The disk's ceiling is measured in the same run: the same number of
 batches of the log's average batch bytes written and `fdatasync`ed by one thread.
 
-    .venv/bin/python bench/store.py [--quick] [--episodes N] [--total N] [--rounds R] [--dir PATH] [--json out.json]
+The harness is measured apart: a `harness` round runs the same episodes against a store that
+keeps nothing (the record mutations only, from prebuilt messages and snapshots), and each
+store's CPU per boundary is reported with and without it. `--procs N` (default: the core
+count; 1 turns it off) then runs N processes at once, each an agent with its own log in one
+shared folder (replicas) and `--episodes` in flight, and reports their aggregate.
+
+    .venv/bin/python bench/store.py [--quick] [--episodes N] [--total N] [--rounds R] [--procs N] [--dir PATH]
+        [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from gymrpc.store import (  # noqa: E402
     SCHEMA_VERSION,
     EpisodeCheckpoint,
+    EpisodeLease,
     EpisodeStore,
     FilesystemEpisodeStore,
     LogEpisodeStore,
@@ -40,6 +52,11 @@ from gymrpc.v1 import agent_service_pb2 as agent_pb  # noqa: E402
 from gymrpc.v1 import common_pb2  # noqa: E402
 
 KINDS = ("log", "log-whole", "files")
+SNAPSHOTS = [bytes([i]) * 16 + bytes(1008) for i in range(64)]
+"""Session snapshots a boundary cycles through (prebuilt: the harness is not what is measured)."""
+REPLIES = [
+    common_pb2.Message(role=common_pb2.ROLE_ASSISTANT, content=f"step {step}: " + "x" * 120) for step in range(256)
+]
 TOOLS = [
     common_pb2.ToolDefinition(
         name=name, description=f"{name} the counter", parameters_json_schema='{"type":"object","properties":{}}'
@@ -68,14 +85,54 @@ def fresh(rollout_id: str) -> EpisodeCheckpoint:
 def boundary(record: EpisodeCheckpoint, step: int) -> None:
     """What one boundary of a counter episode changes: a turn, and at tool boundaries the session snapshot."""
     record.step = step
-    record.messages.append(common_pb2.Message(role=common_pb2.ROLE_ASSISTANT, content=f"step {step}: " + "x" * 120))
+    record.messages.append(REPLIES[step % len(REPLIES)])
     if step % 2:
         record.phase = agent_pb.EPISODE_PHASE_READY_FOR_TOOL
         record.resource_snapshot.format_name = "counter"
-        record.resource_snapshot.payload = os.urandom(16) + bytes(1008)
+        record.resource_snapshot.payload = SNAPSHOTS[(step + len(record.episode_id.rollout_id)) % len(SNAPSHOTS)]
     else:
         record.phase = agent_pb.EPISODE_PHASE_READY_FOR_MODEL
     record.elapsed.FromMilliseconds(step * 40)
+
+
+class _NoLease(EpisodeLease):
+    def __init__(self, rollout_id: str) -> None:
+        self.rollout_id = rollout_id
+
+    @property
+    def held(self) -> bool:
+        return True
+
+    async def release(self) -> None:
+        return None
+
+
+class HarnessStore(EpisodeStore):
+    """Keeps nothing: a round against it costs what the bench itself costs (records, tasks, the loop)."""
+
+    stats = None
+
+    async def acquire(self, rollout_id: str) -> EpisodeLease:
+        return _NoLease(rollout_id)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, rollout_id: str) -> AsyncIterator[EpisodeLease]:
+        yield _NoLease(rollout_id)
+
+    async def load(self, lease: EpisodeLease) -> EpisodeCheckpoint | None:
+        return None
+
+    async def save(self, lease: EpisodeLease, record: EpisodeCheckpoint) -> None:
+        record.revision += 1
+
+    async def archive(self, lease: EpisodeLease, reason: str) -> str | None:
+        return None
+
+    async def delete_expired(self, now: float | None = None) -> int:
+        return 0
+
+    async def close(self) -> None:
+        return None
 
 
 async def run_round(store: EpisodeStore, label: str, args: argparse.Namespace) -> dict[str, float]:
@@ -95,10 +152,44 @@ async def run_round(store: EpisodeStore, label: str, args: argparse.Namespace) -
                     await store.save(lease, record)
                     saved += 1
 
-    cpu, wall = time.process_time(), time.perf_counter()
+    threads, cpu, wall = thread_cpu(), time.process_time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(args.episodes)))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return {"boundaries_per_s": saved / wall, "cpu_us_per_boundary": 1e6 * cpu / saved, "boundaries": saved}
+    after = thread_cpu()
+    split = {name: 1e6 * (after[name] - threads.get(name, 0.0)) / saved for name in after}
+    return {"boundaries_per_s": saved / wall, "cpu_us_per_boundary": 1e6 * cpu / saved, "boundaries": saved} | {
+        f"{name}_cpu_us_per_boundary": us for name, us in split.items()
+    }
+
+
+THREADS = {"MainThread": "loop", "store-log": "commit", "store-io": "io"}
+"""Thread name prefixes whose CPU is reported apart: the event loop, the log's commit thread, its I/O pool."""
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's threads, summed per `THREADS` role (Linux: per-thread clocks)."""
+    out = dict.fromkeys(THREADS.values(), 0.0)
+    for thread in threading.enumerate():
+        role = next((r for prefix, r in THREADS.items() if thread.name.startswith(prefix)), None)
+        if role is None or thread.ident is None:
+            continue
+        with contextlib.suppress(OSError, AttributeError):
+            out[role] += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return out
+
+
+async def lease_cost(store: EpisodeStore, label: str, episodes: int, concurrency: int) -> float:
+    """CPU per new episode of taking its lease, loading (nothing) and releasing it, with no save."""
+    todo = iter(range(episodes))
+
+    async def worker() -> None:
+        for i in todo:
+            async with store.lease(f"{label}-{i}") as lease:
+                await store.load(lease)
+
+    cpu = time.process_time()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return 1e6 * (time.process_time() - cpu) / episodes
 
 
 def disk_ceiling(folder: Path, batches: int, batch_bytes: int) -> float:
@@ -118,51 +209,113 @@ def disk_ceiling(folder: Path, batches: int, batch_bytes: int) -> float:
 
 
 async def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
-    kinds = KINDS
+    kinds = ("harness", *KINDS)
     results: dict[str, dict[str, Any]] = {kind: {"rounds": []} for kind in kinds}
     stats: dict[str, Any] = {}
     for r in range(args.rounds):
         for kind in kinds if r % 2 == 0 else reversed(kinds):
             root = folder / f"{kind}-{r}"
             store: EpisodeStore
-            if kind == "files":
+            if kind == "harness":
+                store = HarnessStore()
+            elif kind == "files":
                 store = FilesystemEpisodeStore(root)
             else:
                 store = LogEpisodeStore(root, full_every=32 if kind == "log" else 0)
             total = args.total if kind != "files" else max(args.total // 8, args.episodes * args.boundaries)
             round_args = argparse.Namespace(**{**vars(args), "total": total})
             got = await run_round(store, f"r{r}", round_args)
+            if kind == "log":
+                got["lease_cpu_us_per_episode"] = await lease_cost(store, f"lease{r}", 2000, args.episodes)
             await store.close()
+            results[kind]["rounds"].append(got)
+            if kind == "harness":
+                print(f"  round {r} {kind:9s} {got['cpu_us_per_boundary']:6.1f} us CPU/boundary", flush=True)
+                continue
             s = store.stats  # type: ignore[attr-defined]
             got |= {"writes_per_batch": s.writes / s.batches, "fsyncs_per_boundary": s.fsyncs / s.writes}
             got["bytes_per_boundary"] = s.bytes / s.writes
-            results[kind]["rounds"].append(got)
             if kind == "log":
                 stats = {"batches": s.batches, "batch_bytes": s.bytes // s.batches}
+                print(
+                    f"  round {r} log: CPU per boundary in the loop thread {got['loop_cpu_us_per_boundary']:.1f} us, "
+                    f"commit thread {got['commit_cpu_us_per_boundary']:.1f} us, I/O threads "
+                    f"{got['io_cpu_us_per_boundary']:.1f} us; a new episode's lease (take, load, release) "
+                    f"{got['lease_cpu_us_per_episode']:.1f} us",
+                    flush=True,
+                )
             print(
                 f"  round {r} {kind:9s} {got['boundaries_per_s']:9.0f} durable boundaries/s  "
                 f"{got['cpu_us_per_boundary']:6.1f} us CPU/boundary  {got['bytes_per_boundary']:6.0f} B/boundary  "
                 f"{got['writes_per_batch']:6.1f} saves/batch",
                 flush=True,
             )
-    for r in results.values():
-        for key in ("boundaries_per_s", "cpu_us_per_boundary", "bytes_per_boundary", "writes_per_batch"):
+    harness = statistics.median(x["cpu_us_per_boundary"] for x in results["harness"]["rounds"])
+    results["harness"]["cpu_us_per_boundary"] = harness
+    for kind in KINDS:
+        r = results[kind]
+        keys = [k for k in r["rounds"][0] if k.endswith(("_per_s", "_per_boundary", "_per_episode", "_per_batch"))]
+        for key in keys:
             r[key] = statistics.median(x[key] for x in r["rounds"])
+        r["store_cpu_us_per_boundary"] = r["cpu_us_per_boundary"] - harness
     batches = min(stats["batches"], 2000)
     ceiling = disk_ceiling(folder, batches, stats["batch_bytes"])
     results["disk"] = {"batches_per_s": ceiling, "batch_bytes": stats["batch_bytes"]}
     return results
 
 
+def _process_round(root: str, label: str, argv: dict[str, Any], barrier: Any, out: Any) -> None:
+    """One agent-like process of `measure_processes`: its own log in the shared folder."""
+
+    async def go() -> dict[str, Any]:
+        store = LogEpisodeStore(root)
+        barrier.wait()  # every process opened its store: start together
+        started = time.time()
+        got = await run_round(store, label, argparse.Namespace(**argv))
+        got |= {"started": started, "ended": time.time(), "batches": store.stats.batches}
+        await store.close()
+        return got
+
+    out.put(asyncio.run(go()))
+
+
+def measure_processes(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """`args.procs` processes saving at once, each with `args.episodes` in flight; their aggregate."""
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(args.procs), context.Queue()
+    argv = {"total": args.total // args.procs, "episodes": args.episodes, "boundaries": args.boundaries}
+    root = folder / "processes"
+    procs = [
+        context.Process(target=_process_round, args=(str(root), f"p{i}", argv, barrier, out)) for i in range(args.procs)
+    ]
+    for proc in procs:
+        proc.start()
+    rounds = [out.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    saved = sum(r["boundaries"] for r in rounds)
+    cpu_us = sum(r["cpu_us_per_boundary"] * r["boundaries"] for r in rounds)
+    wall = max(r["ended"] for r in rounds) - min(r["started"] for r in rounds)
+    return {
+        "procs": args.procs,
+        "boundaries_per_s": saved / wall,
+        "cpu_us_per_boundary": cpu_us / saved,
+        "writes_per_batch": saved / sum(r["batches"] for r in rounds),
+        "per_process": [r["boundaries_per_s"] for r in rounds],
+    }
+
+
 def split_cost(steps: int, repeats: int = 200) -> dict[str, float]:
-    """CPU per boundary of the field split + diff of an episode of `steps` boundaries: every
-    record split from scratch against split reusing the previous boundary's split (what
-    LogEpisodeStore.save does), measured back to back in this process."""
+    """CPU per boundary of splitting an episode's records of `steps` boundaries into top-level fields
+    and diffing each against the one before, three ways back to back in this process: Python from
+    scratch, Python reusing the previous split (`fields.split(data, like)`), and upb's shallow read
+    (`fields.Shallow`, what LogEpisodeStore.save does)."""
     record, revisions = fresh("split"), []
     for step in range(steps):
         boundary(record, step)
         record.revision, _ = step, record.updated_at.FromNanoseconds(10**18 + step)
         revisions.append(record.SerializeToString(deterministic=True))
+    shallow = fields.Shallow(EpisodeCheckpoint.DESCRIPTOR)
 
     def run(reuse: bool) -> float:
         started = time.process_time()
@@ -175,8 +328,25 @@ def split_cost(steps: int, repeats: int = 200) -> dict[str, float]:
                 base = state
         return (time.process_time() - started) / (repeats * steps) * 1e6
 
-    plain, reusing = run(False), run(True)
-    return {"steps": steps, "plain_us": plain, "reusing_us": reusing, "record_bytes": len(revisions[-1])}
+    def run_shallow() -> float:
+        started = time.process_time()
+        for _ in range(repeats):
+            base: fields.Values | None = None
+            for data in revisions:
+                state = shallow.values(data)
+                if base is not None and state is not None:
+                    shallow.diff(base, state)
+                base = state
+        return (time.process_time() - started) / (repeats * steps) * 1e6
+
+    plain, reusing, upb = run(False), run(True), run_shallow()
+    return {
+        "steps": steps,
+        "plain_us": plain,
+        "reusing_us": reusing,
+        "shallow_us": upb,
+        "record_bytes": len(revisions[-1]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--boundaries", type=int, default=8, help="boundaries per episode (default %(default)s)")
     parser.add_argument("--total", type=int, help="boundaries per log round (default 60,000; quick 4,000)")
     parser.add_argument("--rounds", type=int, help="rounds per store (default 3; quick 1)")
+    parser.add_argument(
+        "--procs", type=int, default=os.cpu_count() or 1, help="processes of the aggregate round (default %(default)s)"
+    )
     parser.add_argument("--dir", type=Path, default=Path("/tmp"), help="folder on the filesystem to measure")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -195,26 +368,45 @@ def main(argv: list[str] | None = None) -> int:
         args.episodes = min(args.episodes, 128)
     with tempfile.TemporaryDirectory(prefix="gymrpc-store-bench-", dir=args.dir) as tmp:
         results = asyncio.run(measure(args, Path(tmp)))
+        if args.procs > 1:
+            results["processes"] = measure_processes(args, Path(tmp))
     log, files, disk = results["log"], results["files"], results["disk"]
     print(f"\n{args.episodes} episodes in flight, {args.boundaries} boundaries each, {args.rounds} rounds (median)")
+    harness = results["harness"]["cpu_us_per_boundary"]
+    print(f"harness   {harness:6.1f} us CPU per boundary (building the records; included in the CPU below)")
     for name in KINDS:
         r = results[name]
         print(
             f"{name:9s} {r['boundaries_per_s']:9.0f} durable boundaries/s  {r['cpu_us_per_boundary']:6.1f} us CPU per "
-            f"boundary  {r['bytes_per_boundary']:6.0f} B per boundary  {r['writes_per_batch']:6.1f} saves per batch"
+            f"boundary ({r['store_cpu_us_per_boundary']:6.1f} us the store's)  {r['bytes_per_boundary']:6.0f} B per "
+            f"boundary  {r['writes_per_batch']:6.1f} saves per batch"
         )
+    print(
+        f"log CPU per boundary by thread: loop {log['loop_cpu_us_per_boundary']:.1f} us (harness included), commit "
+        f"{log['commit_cpu_us_per_boundary']:.1f} us, I/O pool {log['io_cpu_us_per_boundary']:.1f} us; a new "
+        f"episode's lease alone {log['lease_cpu_us_per_episode']:.1f} us CPU "
+        f"({log['lease_cpu_us_per_episode'] / args.boundaries:.1f} us per boundary at {args.boundaries} per episode)"
+    )
     print(f"disk      {disk['batches_per_s']:9.0f} batches/s of {disk['batch_bytes']} B + fdatasync (one thread)")
     print(
         f"RATIO log / files: {log['boundaries_per_s'] / files['boundaries_per_s']:.1f}x durable boundaries/s "
         f"(log-whole {results['log-whole']['boundaries_per_s'] / files['boundaries_per_s']:.1f}x); "
         f"log at {log['boundaries_per_s'] / log['writes_per_batch'] / disk['batches_per_s']:.2f}x the disk's batch rate"
     )
+    if "processes" in results:
+        p = results["processes"]
+        print(
+            f"{p['procs']} processes (log, {args.episodes} episodes in flight each, one shared folder): "
+            f"{p['boundaries_per_s']:.0f} durable boundaries/s together  {p['cpu_us_per_boundary']:.1f} us CPU per "
+            f"boundary  {p['writes_per_batch']:.1f} saves per batch  (per process: "
+            f"{', '.join(f'{x:.0f}' for x in p['per_process'])}/s)"
+        )
     results["split"] = [split_cost(steps) for steps in (args.boundaries, 64)]
     for r in results["split"]:
         print(
             f"split+diff over {r['steps']:3d} boundaries (last record {r['record_bytes']} B): "
-            f"{r['plain_us']:.1f} us per boundary from scratch, {r['reusing_us']:.1f} us reusing the previous split "
-            f"(RATIO {r['plain_us'] / r['reusing_us']:.2f}x)"
+            f"{r['plain_us']:.1f} us per boundary in Python from scratch, {r['reusing_us']:.1f} us reusing the "
+            f"previous split, {r['shallow_us']:.1f} us upb shallow (RATIO {r['reusing_us'] / r['shallow_us']:.2f}x)"
         )
     if args.json:
         args.json.write_text(

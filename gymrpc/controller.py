@@ -32,6 +32,13 @@ A member that dies between its capture and its write makes the publish fail
 (`CoordinationError("persist")`, reason CHECKPOINT_INCOMPLETE): no index, so the previous
 published checkpoint is still the one a restore finds. `nonstop=False` keeps the older order
 (write, then resume); a participant that does not know the flag writes first anyway.
+
+A checkpoint that fails after its commit began is discarded (`discard`): every member is told to
+stop its write for good and answers once it has ended (`Persist` with `abandon`), then the folder
+is removed (`gymrpc.control.gc`), so failed checkpoints do not pile up. A member that cannot
+confirm (unreachable) may still be writing: the folder is then kept, and `gymrpc ctl gc ROOT`
+(`gc.sweep`) removes it once a newer checkpoint is published. From the capture until the
+publish ends, the folder holds a lease (`gc.LEASE`) that keeps the sweep away from it.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from gymrpc import tracing
+from gymrpc.control import gc
 from gymrpc.control.index import endpoint_order, index_sources, read_index, sources_of, write_index
 from gymrpc.control.membership import Directory, Member
 from gymrpc.control.store import checkpoint_episodes
@@ -378,11 +386,14 @@ class Controller:
         stop: bool = False,
         trainer_state: TrainerState | str | os.PathLike[str] | None = None,
         background: bool = True,
+        base: str | Path | None = None,
     ) -> Captured:
         """Commit everyone at once; with `background` each member replies once its state is captured
         in memory and writes afterwards (resume may follow at once). Nothing is published: `publish`
         waits for every write and writes the index. The weight versions are read here, while the
-        episodes are still parked, so they are those of the capture."""
+        episodes are still parked, so they are those of the capture. `base`: the previous published
+        checkpoint of the same root, for an incremental commit (members refer to the records it
+        holds instead of writing them again)."""
         deadline = time.time() + timeout
         trainer_ref = None if trainer_state is None else await asyncio.to_thread(reference, trainer_state)
         request = pb.CommitRequest(
@@ -392,8 +403,10 @@ class Controller:
             stop=stop,
             explicit_scope=episode_ids is not None,
             persist_in_background=background,
+            base_checkpoint_dir="" if base is None else _absolute(base),
         )
         members = await self._members()
+        await asyncio.to_thread(self._lease, Path(request.checkpoint_dir), checkpoint_id, deadline)
         requests = _commit_requests(request, episode_ids, members)
         replies = await self._fan(
             "commit",
@@ -418,6 +431,8 @@ class Controller:
         self, captured: Captured, timeout: float | None
     ) -> tuple[dict[str, pb.CheckpointManifest], pb.CheckpointIndex]:
         deadline = captured.deadline if timeout is None else time.time() + timeout
+        if timeout is not None:
+            await asyncio.to_thread(self._lease, captured.checkpoint_dir, captured.checkpoint_id, deadline)
         request = pb.PersistRequest(checkpoint_id=captured.checkpoint_id, deadline=timestamp(deadline))
         waiting = [m for m in captured.members if captured.replies[m.label].persisting]
         persisted = await self._fan(
@@ -437,7 +452,58 @@ class Controller:
                 weight_versions=captured.weight_versions,
             )
         )
+        await asyncio.to_thread(gc.drop_lease, captured.checkpoint_dir)
         return manifests, index
+
+    @staticmethod
+    def _lease(folder: Path, checkpoint_id: str, deadline: float) -> None:
+        """Keep the sweep (`gc.sweep`) off the folder until the publish's deadline; best effort."""
+        try:
+            gc.write_lease(folder, checkpoint_id, deadline + RPC_SLACK)
+        except OSError as exc:
+            log.warning("could not write the publish lease of %s: %s", folder, exc)
+
+    async def discard(
+        self, checkpoint_id: str, checkpoint_dir: str | Path, *, timeout: float = CLEANUP_SECONDS
+    ) -> bool:
+        """Give up on a checkpoint that will not be published, and remove its folder.
+
+        Every member is told to stop its write for good (`Persist` with `abandon`) and answers once
+        that write has ended; a member that never captured it answers CHECKPOINT_INCOMPLETE, which
+        is as good. Once all have answered, nothing writes into the folder any more and it is removed
+        (never one with an index: `gc.remove_unpublished`). True if removed (or never created);
+        False if some member could not confirm (it may still be writing): the folder stays, for
+        `gymrpc ctl gc` to remove once a newer checkpoint is published.
+        """
+        folder = Path(_absolute(checkpoint_dir))
+        deadline = time.time() + timeout
+        request = pb.PersistRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline), abandon=True)
+        members = await self._members()
+        results = await asyncio.gather(
+            *(self._stub(m).Persist(request, timeout=self._left(deadline)) for m in members), return_exceptions=True
+        )
+        unsure = {
+            m.label: r
+            for m, r in zip(members, results, strict=True)
+            if isinstance(r, BaseException)
+            and not (isinstance(r, FailedPrecondition) and r.reason in ("CHECKPOINT_INCOMPLETE", "STALE_CHECKPOINT"))
+        }
+        if unsure:
+            log.warning(
+                "checkpoint %s not removed: %s may still write into it (%s); gymrpc ctl gc removes it later",
+                checkpoint_id,
+                ", ".join(sorted(unsure)),
+                "; ".join(f"{k}: {v}" for k, v in sorted(unsure.items())),
+            )
+            return False
+        try:
+            removed = await asyncio.to_thread(gc.remove_unpublished, folder, checkpoint_id)
+        except (GymrpcError, OSError) as exc:
+            log.warning("checkpoint %s not removed: %s", checkpoint_id, exc)
+            return False
+        if removed:
+            log.info("removed the folder of unpublished checkpoint %s (%s)", checkpoint_id, folder)
+        return True
 
     async def _weight_versions(self, members: Sequence[Member], deadline: float) -> dict[str, str]:
         """Model server name -> the weight version it has loaded (its `GetStatus` details say)."""
@@ -624,6 +690,7 @@ class Controller:
         stop: bool = False,
         trainer_state: TrainerState | str | os.PathLike[str] | None = None,
         nonstop: bool = True,
+        incremental: bool = False,
     ) -> CheckpointResult:
         """Prepare, commit into `<root>/<checkpoint_id>`, then resume (unless `stop`).
 
@@ -640,13 +707,18 @@ class Controller:
         size and sha256, beside the weight version each model server had loaded
         (`index.weight_versions`), so trainer and stack restore together:
         `read_trainer_state(read_index(folder))` finds it again.
+
+        `incremental`: members refer to the records the newest published checkpoint under `root`
+        already holds instead of writing them again (`gc.newest_published`), so a commit writes
+        what changed. That checkpoint's folder must then be kept while this one is (`gc.sweep`
+        keeps referenced folders). A member that restarted since writes everything.
         """
         checkpoint_id = checkpoint_id or new_checkpoint_id()
         with tracing.span("checkpoint", **{"gymrpc.operation_id": checkpoint_id}):
             folder = Path(_absolute(root)) / checkpoint_id
             result = CheckpointResult(checkpoint_id, folder, PrepareResult(False, {}))
             background = nonstop and not stop
-            resumed = False
+            resumed = committed = False
             started = time.perf_counter()
             try:
                 result.prepare = await self.prepare(checkpoint_id, timeout=timeout)
@@ -658,6 +730,8 @@ class Controller:
                         continued = set(scope)
                         result.restarted = [e for e in wanted if e not in continued]
                     committing = time.perf_counter()
+                    committed = True
+                    base = await asyncio.to_thread(gc.newest_published, folder.parent) if incremental else None
                     captured = await self.capture(
                         checkpoint_id,
                         folder,
@@ -666,6 +740,7 @@ class Controller:
                         stop=stop,
                         trainer_state=trainer_state,
                         background=background,
+                        base=base,
                     )
                     if background:  # the capture is all the episodes waited for
                         resumed = True
@@ -676,6 +751,8 @@ class Controller:
             except BaseException:
                 if not resumed:
                     await asyncio.shield(self._abort(checkpoint_id))
+                if committed:  # some members may have written: stop them for good, remove the folder
+                    await asyncio.shield(self.discard(checkpoint_id, folder, timeout=min(timeout, CLEANUP_SECONDS)))
                 raise
             if not resumed and not (stop and result.committed):
                 await self.resume(checkpoint_id)

@@ -9,8 +9,10 @@
     gymrpc ctl retire ID --episodes R[:A] ...                  fence attempts, free their state
     gymrpc ctl forget ID --rollouts R ...                      drop retire marks
     gymrpc ctl renew ID [--deadline S]                         extend the open checkpoint's lease
-    gymrpc ctl checkpoint --dir D [--episodes ...] [--id ID]   prepare, commit into D/ID, resume
+    gymrpc ctl checkpoint --dir D [--episodes ...] [--id ID] [--incremental]
+                                                               prepare, commit into D/ID, resume
     gymrpc ctl inspect D                                       a checkpoint folder's index, verified (no stack)
+    gymrpc ctl gc ROOT [--dry-run] [--keep N]                  remove unpublished (and old) checkpoint folders
 
 Built on `gymrpc.Controller`, so it keeps its orders (prepare environment, model, agent,
 resources and stop at the first stage not ready; resume in reverse; retire callers first)
@@ -44,7 +46,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from gymrpc.client import Client
-from gymrpc.control import store
+from gymrpc.control import gc, store
 from gymrpc.control.index import INDEX, read_index
 from gymrpc.control.types import EpisodeKey
 from gymrpc.controller import Controller, CoordinationError, PrepareResult
@@ -145,8 +147,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     checkpoint.add_argument("--episodes", nargs="+", type=episode, metavar="R[:A]", help="continued episodes")
     checkpoint.add_argument("--stop", action="store_true", help="commit with stop and do not resume")
     checkpoint.add_argument("--deadline", type=float, default=30.0, help="seconds per step (default %(default)s)")
+    checkpoint.add_argument(
+        "--incremental",
+        action="store_true",
+        help="write only what changed since the newest published checkpoint under DIR (it must then be kept)",
+    )
     inspect = command("inspect", "a checkpoint folder's index and manifests, verified; needs no stack")
     inspect.add_argument("dir", metavar="DIR", help="the checkpoint folder (ROOT/ID)")
+    sweep = command("gc", "remove the unpublished checkpoint folders under ROOT older than its newest published one")
+    sweep.add_argument("root", metavar="ROOT", help="the checkpoint root (the folder holding ROOT/ID folders)")
+    sweep.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+    sweep.add_argument(
+        "--keep",
+        type=int,
+        metavar="N",
+        help="also remove published checkpoints but the newest N (never one a kept checkpoint refers to)",
+    )
 
 
 def run(args: argparse.Namespace, run_dir: Path) -> int:
@@ -164,6 +180,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> int:
         args.dir = os.path.abspath(args.dir)  # as every participant must see it
     if args.ctl_command == "inspect":
         return _inspect(args)
+    if args.ctl_command == "gc":
+        return _gc(args)
     try:
         return asyncio.run(_main(args, run_dir))
     except FileNotFoundError as exc:
@@ -227,7 +245,12 @@ async def _main(args: argparse.Namespace, run_dir: Path) -> int:
 
 async def _checkpoint(args: argparse.Namespace, controller: Controller) -> int:
     result = await controller.checkpoint(
-        args.dir, episode_ids=args.episodes, checkpoint_id=args.checkpoint_id, timeout=args.deadline, stop=args.stop
+        args.dir,
+        episode_ids=args.episodes,
+        checkpoint_id=args.checkpoint_id,
+        timeout=args.deadline,
+        stop=args.stop,
+        incremental=args.incremental,
     )
     if args.json:
         print(
@@ -295,6 +318,26 @@ def _inspect(args: argparse.Namespace) -> int:
             )
         )
     print("\n".join(_table(rows)))
+    return EXIT_OK
+
+
+def _gc(args: argparse.Namespace) -> int:
+    """Sweep a checkpoint root offline; exit 1 if the root is refused."""
+    try:
+        verdicts = gc.sweep(os.path.abspath(args.root), dry_run=args.dry_run, keep=args.keep)
+    except (GymrpcError, OSError) as exc:
+        message = f"{exc.code.name} {exc.reason}: {exc.message}" if isinstance(exc, GymrpcError) else str(exc)
+        print(f"gymrpc ctl gc: {message}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        rows = [{"path": str(v.path), "removed": v.removed and not args.dry_run, "reason": v.reason} for v in verdicts]
+        print(json.dumps({"root": os.path.abspath(args.root), "dry_run": args.dry_run, "folders": rows}, indent=2))
+        return EXIT_OK
+    verb = "would remove" if args.dry_run else "removed"
+    for verdict in verdicts:
+        print(f"{verb if verdict.removed else 'kept'} {verdict.path}: {verdict.reason}")
+    if not verdicts:
+        print(f"nothing to remove under {os.path.abspath(args.root)}")
     return EXIT_OK
 
 

@@ -97,6 +97,7 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
                 scope,
                 request.stop,
                 background=background,
+                base_dir=request.base_checkpoint_dir,
             )
         except BaseException:
             collection.release(self.plane)
@@ -110,6 +111,9 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         )
 
     async def Persist(self, request: pb.PersistRequest, context: grpc.aio.ServicerContext) -> pb.PersistResponse:
+        if request.abandon:
+            await self.plane.abandon(request.checkpoint_id, _deadline(request))
+            return pb.PersistResponse()
         manifest = await self.plane.persist(request.checkpoint_id, _deadline(request))
         return pb.PersistResponse(
             manifest=manifest, manifest_path=manifest_path(manifest.kind, manifest.name, manifest.endpoint_id)

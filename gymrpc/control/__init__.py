@@ -9,6 +9,8 @@
 - `participant`: the hook ABC each role implements, and `Capture`, what a commit takes.
 - `store`: one records file, then the manifest, last and create-only.
 - `plane`: `ControlPlane`, which drives a participant through all of it.
+- `index`: a checkpoint folder's index, written by the controller last.
+- `gc`: removing unpublished checkpoint folders (never a published or referenced one).
 """
 
 from gymrpc.control.participant import Capture, Participant, Scope

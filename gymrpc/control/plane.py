@@ -121,6 +121,8 @@ class _Stage(enum.Enum):
     """The manifest is durable; the capture was let go."""
     FAILED = "failed"
     """A `persist` reported the write's failure: the next one writes the same capture again."""
+    ABANDONED = "abandoned"
+    """The controller gave up on the checkpoint (`abandon`): the write was stopped and is never started again."""
 
 
 @dataclass
@@ -148,8 +150,12 @@ class _Write:
         return Path(self.args[0])
 
     @property
+    def base_dir(self) -> str:
+        return str(self.args[4])
+
+    @property
     def unfinished(self) -> bool:
-        return self.task is None or not self.task.done()
+        return self.stage is not _Stage.ABANDONED and (self.task is None or not self.task.done())
 
 
 class ControlPlane:
@@ -175,7 +181,11 @@ class ControlPlane:
         self._lock = asyncio.Lock()
         self._write: _Write | None = None
         self._persisting: OrderedDict[str, _Write] = OrderedDict()
+        self._stopped: OrderedDict[str, _Write] = OrderedDict()
+        """Writes a resume stopped before they ended (a slow or hung disk): `abandon` waits for them."""
         self._retiring = 0
+        self._written: store.Written | None = None
+        """Where the records of the last finished write lie: the base of an incremental commit."""
         self.awaiting_restore = False
         """Started closed for a restore (`await_restore`): a restore or any resume opens admission."""
 
@@ -299,16 +309,23 @@ class ControlPlane:
         scope: Scope,
         stop: bool = False,
         background: bool = False,
+        base_dir: str = "",
     ) -> pb.CheckpointManifest | None:
         """Capture once, build and write the records file, then the manifest; all before `deadline`.
 
         `background`: reply (None) right after the capture, so the episodes parked for it can
-        resume; the write goes on and `persist` returns its manifest.
+        resume; the write goes on and `persist` returns its manifest. `base_dir`: the previous
+        published checkpoint of the same root; records already there are referred to, not written.
         """
         check_id(checkpoint_id, "checkpoint_id")
         root = store.check_checkpoint_dir(checkpoint_dir)
+        if base_dir and (store.check_checkpoint_dir(base_dir).parent != root.parent or base_dir == str(root)):
+            raise InvalidArgument(
+                f"base_checkpoint_dir {base_dir[:200]!r} must be another checkpoint of the root of {str(root)[:200]}",
+                metadata={"field": "base_checkpoint_dir"},
+            )
         self._check_deadline(deadline)
-        args = (str(root), scope, stop, background)
+        args = (str(root), scope, stop, background, base_dir)
         async with self._lock:
             if (cached := self.replies.get(Op.COMMIT, checkpoint_id, args)) is not None:
                 return cached if cached.checkpoint_id else None  # an empty manifest: captured, persisting
@@ -433,6 +450,12 @@ class ControlPlane:
                     reason="CHECKPOINT_INCOMPLETE",
                     metadata={"checkpoint_id": checkpoint_id, "name": self.name},
                 )
+            if write.stage is _Stage.ABANDONED:
+                raise FailedPrecondition(
+                    f"checkpoint {checkpoint_id!r} was abandoned by its controller; it is never published",
+                    reason="STALE_CHECKPOINT",
+                    metadata={"checkpoint_id": checkpoint_id, "name": self.name},
+                )
             if write.stage in (_Stage.CAPTURED, _Stage.FAILED):  # its first persist, or a failure reported
                 self._start(write)
             task = write.task
@@ -447,10 +470,46 @@ class ControlPlane:
                 metadata={"checkpoint_id": checkpoint_id},
             ) from None
         except Exception:
-            if write.task is task:
+            if write.task is task and write.stage is _Stage.WRITING:
                 write.stage = _Stage.FAILED  # reported: the next persist writes again
             raise
         return manifest
+
+    async def abandon(self, checkpoint_id: str, deadline: float) -> None:
+        """Stop a commit's write for good and return once it has ended (until `deadline`).
+
+        The controller will not publish the checkpoint and deletes its folder once every member
+        answered: after this returns, this process writes nothing more into it. No such commit
+        here: CHECKPOINT_INCOMPLETE, as for `persist` (nothing of it is being written here).
+        """
+        check_id(checkpoint_id, "checkpoint_id")
+        self._check_deadline(deadline)
+        async with self._lock:
+            write = self._persisting.get(checkpoint_id) or self._stopped.get(checkpoint_id)
+            if write is None and self._write is not None and self._write.checkpoint_id == checkpoint_id:
+                write = self._write  # a stop-the-world commit still open
+            if write is None:
+                raise FailedPrecondition(
+                    f"{self.name} holds no commit of checkpoint {checkpoint_id!r}; nothing of it is written here",
+                    reason="CHECKPOINT_INCOMPLETE",
+                    metadata={"checkpoint_id": checkpoint_id, "name": self.name},
+                )
+            write.stage = _Stage.ABANDONED  # never started (again) from here on
+            if write is not self._write:
+                write.capture = None  # an open commit's retry still finds it (and is stopped at once)
+            task = write.task
+            await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it
+        if task is not None and not task.done():
+            try:
+                async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
+                    await asyncio.wait([task])  # the write stops at its next record
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"the stopped write of checkpoint {checkpoint_id!r} had not ended by the deadline; "
+                    "retry the abandon",
+                    metadata={"checkpoint_id": checkpoint_id},
+                ) from None
+        log.info("abandoned", extra={"checkpoint_id": checkpoint_id})
 
     async def _capture(self, scope: Scope) -> Capture:
         report = self.readiness()
@@ -515,11 +574,20 @@ class ControlPlane:
         capture = write.capture
         assert capture is not None, "a written capture is not written again"
         started = time.perf_counter()
-        records = list(store.yielding(capture.build()))
+        records = []
+        for record in store.yielding(capture.build()):
+            write.stop.check()  # resumed or abandoned: stop building, nothing is written
+            records.append(record)
         write.build_s = time.perf_counter() - started
-        return store.write_checkpoint(
-            write.root, self.kind, self.name, write.checkpoint_id, records, write.stop, self.endpoint_id
+        base = self._written
+        if not write.base_dir or base is None or str(base.checkpoint_dir) != write.base_dir or not base.usable():
+            base = None  # not incremental, or this process did not write that base (restarted): write everything
+        track = store.Written(write.root)
+        manifest = store.write_checkpoint(
+            write.root, self.kind, self.name, write.checkpoint_id, records, write.stop, self.endpoint_id, base, track
         )
+        self._written = track
+        return manifest
 
     # -- resume ------------------------------------------------------------------------------
 
@@ -547,6 +615,10 @@ class ControlPlane:
         write, self._write = self._write, None
         if write is not None:
             await asyncio.to_thread(write.stop.stop)  # from here on, no manifest appears for it
+            if write.task is not None and not write.task.done():  # it ends at its next record: `abandon` waits
+                self._stopped[write.checkpoint_id] = write
+                while len(self._stopped) > REMEMBERED_PERSISTS:
+                    self._stopped.popitem(last=False)
         await self.participant.open_admission()
         self.fence.close(checkpoint_id)
         self.replies.drop(checkpoint_id)

@@ -22,6 +22,15 @@ before returning any, so a restore installs all or nothing. The manifest's `epis
 lists each episode once, in the order of its first record (a participant may file several
 records under one episode); `record_count` counts records.
 
+Incremental commits: given the records of the participant's previous write (`Written`, the
+base: a published checkpoint of the same root), a record whose bytes (sha256) are already there
+is not written again. The records file then holds only the new records, and the manifest's
+`segments` say, in order, where every record is: runs of this records file or of the base's
+(`<checkpoint_id>/<kind>/<folder>/records-<sha256>.bin`, relative to the root, with that file's
+size and sha256; a reference always names the file that holds the bytes, never a reference).
+A reader verifies every file it reads by size and sha256. A folder referred to this way must be
+kept as long as a checkpoint refers to it (`gymrpc.control.gc` does).
+
 Everything here blocks; callers run it in a thread, which `yielding` keeps from holding the
 GIL for long while the event loop's thread waits for it.
 """
@@ -36,6 +45,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -106,6 +116,33 @@ class WriteStop:
         """Blocks while a manifest is being published (milliseconds)."""
         with self._lock:
             self._stopped = True
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a record's bytes are: record `index` of records file `records_path` (relative to the root)."""
+
+    records_path: str
+    sha256: str
+    size_bytes: int
+    index: int
+
+
+@dataclass
+class Written:
+    """Where every record of a participant's write lies, by the sha256 of its bytes: an incremental base."""
+
+    checkpoint_dir: Path
+    locations: dict[str, Location] = field(default_factory=dict)
+
+    def usable(self) -> bool:
+        """Every file it refers to is still there with its size (else write everything again)."""
+        files = {(loc.records_path, loc.size_bytes) for loc in self.locations.values()}
+        root = self.checkpoint_dir.parent
+        try:
+            return all(os.stat(root / path).st_size == size for path, size in files)
+        except OSError:
+            return False
 
 
 def check_checkpoint_dir(value: str) -> Path:
@@ -196,24 +233,43 @@ def write_checkpoint(
     records: Sequence[rec_pb.CheckpointRecord],
     stop: WriteStop,
     endpoint_id: str = "0",
+    base: Written | None = None,
+    track: Written | None = None,
 ) -> pb.CheckpointManifest:
-    """Write the records file, then create the manifest; returns the published manifest."""
+    """Write the records file, then create the manifest; returns the published manifest.
+
+    `base`: records whose bytes it holds are referred to, not written (an incremental commit).
+    `track`: filled with where every record now lies, the base of a next incremental commit.
+    """
     folder = participant_dir(root, kind, name, endpoint_id)
+    stop.check()  # stopped before it began: create nothing (the folder may be being deleted)
     _make_dirs(folder)
     existing = _load_manifest(folder / MANIFEST)
     if existing is not None and existing.checkpoint_id != checkpoint_id:
         raise _conflict(folder, existing, checkpoint_id)
     fd, temp = tempfile.mkstemp(dir=folder, prefix=".records-", suffix=".tmp")
     try:
-        digest, size = hashlib.sha256(), 0
+        digest, size, own = hashlib.sha256(), 0, 0
+        segments: list[pb.RecordSegment] = []
+        new: list[tuple[str, int]] = []
         with os.fdopen(fd, "wb") as out:
             for record in yielding(records):
                 stop.check()
                 data = record.SerializeToString(deterministic=True)
+                key = hashlib.sha256(data).hexdigest() if base is not None or track is not None else ""
+                where = base.locations.get(key) if base is not None else None
+                if where is not None:
+                    _extend(segments, where.records_path, where.sha256, where.size_bytes, where.index)
+                    if track is not None:
+                        track.locations[key] = where
+                    continue
                 chunk = _varint(len(data)) + data
                 out.write(chunk)
                 digest.update(chunk)
                 size += len(chunk)
+                _extend(segments, "", "", 0, own)
+                new.append((key, own))
+                own += 1
             out.flush()
             os.fsync(out.fileno())
         manifest = pb.CheckpointManifest(
@@ -230,6 +286,12 @@ def write_checkpoint(
             records_format=RECORDS_FORMAT,
             endpoint_id=endpoint_id,
         )
+        if any(s.records_path for s in segments):  # something was referred to, not written
+            manifest.segments.extend(segments)
+        if track is not None:
+            own_path = f"{root.name}/{folder.relative_to(root)}/{manifest.records_file}"
+            for key, index in new:
+                track.locations[key] = Location(own_path, manifest.sha256, size, index)
         with stop.publishing():
             os.replace(temp, folder / manifest.records_file)
             _fsync_dir(folder)  # the records file's name is durable before a manifest names it
@@ -269,6 +331,8 @@ def read_checkpoint(
     except safeio.UnsafeFile as exc:
         raise DataLoss(f"{exc}: it fails its size or sha256 check; nothing was restored") from None
     records = list(_decode(data, path))
+    if manifest.segments:
+        records = _assemble(root, manifest, records, stop)
     if len(records) != manifest.record_count:
         raise DataLoss(f"{path} holds {len(records)} records, its manifest says {manifest.record_count}")
     return manifest, records
@@ -300,6 +364,61 @@ def manifests_equal(a: pb.CheckpointManifest, b: pb.CheckpointManifest) -> bool:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+def _extend(segments: list[pb.RecordSegment], path: str, sha256: str, size: int, index: int) -> None:
+    """Append record `index` of `path` to the runs, growing the last run when it continues it."""
+    if segments and segments[-1].records_path == path and segments[-1].first + segments[-1].count == index:
+        segments[-1].count += 1
+    else:
+        segments.append(pb.RecordSegment(records_path=path, sha256=sha256, size_bytes=size, first=index, count=1))
+
+
+def _referenced(root: Path, records_path: str) -> Path:
+    """A segment's records file, `<checkpoint_id>/<kind>/<folder>/records-<sha256>.bin` under the root."""
+    parts = records_path.split("/")
+    ok = len(parts) == 4 and parts[1] in {k.folder for k in Kind} and parts[2] not in ("", ".", "..")
+    try:
+        check_id(parts[0], "segment")
+    except InvalidArgument:
+        ok = False
+    if not ok or RECORDS_FILE.fullmatch(parts[-1]) is None or "%" in parts[2].replace("%2F", ""):
+        raise DataLoss(f"{root}: a segment names {records_path[:200]!r}, not a records file of this checkpoint root")
+    return root.parent / records_path
+
+
+def _assemble(
+    root: Path, manifest: pb.CheckpointManifest, own: list[rec_pb.CheckpointRecord], stop: threading.Event | None
+) -> list[rec_pb.CheckpointRecord]:
+    """An incremental manifest's records in order, from its own file and the (verified) files it refers to."""
+    files: dict[str, list[rec_pb.CheckpointRecord]] = {"": own}
+    out: list[rec_pb.CheckpointRecord] = []
+    for segment in manifest.segments:
+        name = segment.records_path
+        if name not in files:
+            path = _referenced(root, name)
+            if RECORDS_FILE.fullmatch(path.name).group(1) != segment.sha256:  # type: ignore[union-attr]
+                raise DataLoss(f"{root}: segment {name!r} does not match its sha256")
+            try:
+                data = safeio.read_regular(
+                    path, limit=segment.size_bytes, size=segment.size_bytes, sha256=segment.sha256, stop=stop
+                )
+            except FileNotFoundError:
+                raise DataLoss(
+                    f"{path} is missing: checkpoint {root} refers to its records (an incremental commit); "
+                    "nothing was restored",
+                    reason="CORRUPT_SNAPSHOT",
+                ) from None
+            except safeio.UnsafeFile as exc:
+                raise DataLoss(f"{exc}: it fails its size or sha256 check; nothing was restored") from None
+            files[name] = list(_decode(data, path))
+        records = files[name]
+        if segment.count == 0 or segment.first + segment.count > len(records):
+            raise DataLoss(f"{root}: a segment runs past the {len(records)} records of {name or 'its records file'}")
+        out.extend(records[segment.first : segment.first + segment.count])
+    if sum(s.count for s in manifest.segments if not s.records_path) != len(own):
+        raise DataLoss(f"{root}: the segments do not name every record of its own records file")
+    return out
 
 
 def _create_manifest(folder: Path, manifest: pb.CheckpointManifest) -> pb.CheckpointManifest:

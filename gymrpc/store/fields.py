@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import struct
 
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 Fields = dict[int, list[bytes]]
+Values = dict[int, "int | bytes | list[bytes]"]
+"""Top-level field values of a record as `Shallow` reads them: a varint as int, a length-delimited
+field as its raw bytes, a repeated field as the list of those."""
 _FIELD = struct.Struct("<III")
 _U32 = struct.Struct("<I")
 _NONE: list[bytes] = []
@@ -135,6 +143,114 @@ def diff(old: Fields, new: Fields) -> bytes:
             parts.append(_U32.pack(len(entry)))
             parts.append(entry)
     return b"".join(parts)
+
+
+def _uvarint(value: int) -> bytes:
+    if value < 0x80:
+        return _BYTES[value]
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_BYTES = [bytes((i,)) for i in range(0x80)]
+_SCALAR_TYPES = (
+    FieldDescriptor.TYPE_UINT32,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_ENUM,
+    FieldDescriptor.TYPE_BOOL,
+)
+_BYTES_TYPES = (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+
+
+class Shallow:
+    """The top-level fields of one message type read by upb (C) instead of `split` (Python).
+
+    A twin message type is built with the same field numbers, every length-delimited field
+    (message, string, bytes) declared `bytes` and every varint `uint64`, with explicit
+    presence (proto2): parsing a record as the twin yields each top-level field's raw value
+    without parsing nested messages. `diff` gives exactly the delta `diff(split(a), split(b))`
+    gives (the entries are the canonical tag + value encodings a deterministic serialisation
+    writes), so the on-disk format and every reader stay as they are; only the writer's CPU
+    changes. Types whose top-level fields are not all varints or length-delimited are refused.
+    """
+
+    def __init__(self, descriptor: Descriptor) -> None:
+        twin = descriptor_pb2.FileDescriptorProto(
+            name=f"gymrpc_shallow/{descriptor.full_name}.proto", package="gymrpc_shallow", syntax="proto2"
+        )
+        message = twin.message_type.add(name=descriptor.name)
+        self._tags: dict[int, tuple[bytes, bool, bytes]] = {}
+        """Per field number: its tag, whether it is a varint, and the delta header of one new entry."""
+        self._repeated = [f.number for f in descriptor.fields if f.is_repeated]
+        for field in descriptor.fields:
+            if field.type in _SCALAR_TYPES and not field.is_packed:
+                kind, varint = FieldDescriptor.TYPE_UINT64, True
+            elif field.type in _BYTES_TYPES:
+                kind, varint = FieldDescriptor.TYPE_BYTES, False
+            else:
+                raise ValueError(f"{field.full_name}: a shallow read supports varint and length-delimited fields only")
+            label = FieldDescriptor.LABEL_REPEATED if field.is_repeated else FieldDescriptor.LABEL_OPTIONAL
+            message.field.add(name=field.name, number=field.number, type=kind, label=label)
+            tag = _uvarint(field.number << 3 | (0 if varint else 2))
+            self._tags[field.number] = (tag, varint, _FIELD.pack(field.number, 0, 1))
+        pool = descriptor_pool.DescriptorPool()
+        pool.Add(twin)
+        self._type = message_factory.GetMessageClass(pool.FindMessageTypeByName(f"gymrpc_shallow.{descriptor.name}"))
+
+    def values(self, data: bytes) -> Values | None:
+        """The fields of `data`, or None (then write it whole) if it holds fields this type does not know
+        or is not encoded canonically (a varint longer than needed, a singular field twice): a delta
+        of values rebuilds canonical entries, so it must only ever apply to canonical bytes."""
+        try:
+            message = self._type.FromString(data)
+        except DecodeError:
+            return None
+        if len(UnknownFieldSet(message)) or message.ByteSize() != len(data):
+            return None  # unknown fields, or not the canonical encoding a delta by value would rebuild
+        found: Values = {f.number: v for f, v in message.ListFields()}  # in field-number order
+        for number in self._repeated:
+            entries = found.get(number)
+            if entries is not None:
+                found[number] = list(entries)  # type: ignore[call-overload]
+        return found
+
+    def diff(self, old: Values, new: Values) -> bytes:
+        """The delta that turns the record of `old` into that of `new` (the layout `diff` writes)."""
+        parts: list[bytes] = []
+        if old.keys() == new.keys():  # the common case: both in field-number order, so pair them up
+            pairs = zip(new, old.values(), new.values(), strict=True)
+        else:
+            numbers = sorted(old.keys() | new.keys())
+            pairs = zip(numbers, [old.get(n) for n in numbers], [new.get(n) for n in numbers], strict=True)
+        tags = self._tags
+        for number, before, after in pairs:
+            if before == after:
+                continue
+            if after is None:
+                parts.append(_FIELD.pack(number, 0, 0))
+                continue
+            tag, varint, one = tags[number]
+            if varint:
+                entry = tag + _uvarint(after)  # type: ignore[arg-type]
+                parts += (one, _U32.pack(len(entry)), entry)
+                continue
+            if type(after) is bytes:
+                size = len(after)
+                head = tag + (_BYTES[size] if size < 0x80 else _uvarint(size))
+                parts += (one, _U32.pack(len(head) + size), head, after)
+                continue
+            kept = len(before) if type(before) is list and after[: len(before)] == before else 0  # type: ignore[arg-type]
+            added = after[kept:]  # type: ignore[index]
+            parts.append(_FIELD.pack(number, kept, len(added)))
+            for value in added:
+                size = len(value)
+                head = tag + (_BYTES[size] if size < 0x80 else _uvarint(size))
+                parts += (_U32.pack(len(head) + size), head, value)
+        return b"".join(parts)
 
 
 def apply(base: Fields, delta: bytes) -> Fields:

@@ -81,10 +81,14 @@ def _corrupt(where: str, rollout_id: str, problem: str) -> DataLoss:
     )
 
 
+_SHALLOW = fields.Shallow(EpisodeCheckpoint.DESCRIPTOR)
+"""Splits a record into its top-level fields at C speed (a save's delta against the previous one)."""
+
+
 def _record_from(
     chain: frames.Chain, read: Callable[[int, int, int], bytes], where: str, rollout_id: str
-) -> tuple[EpisodeCheckpoint, fields.Fields]:
-    """The record a chain ends at, and its top-level fields (a delta's base)."""
+) -> tuple[EpisodeCheckpoint, bytes]:
+    """The record a chain ends at, and its bytes (as saved: what a delta written after it applies to)."""
     state: fields.Fields | None = None
     data = b""
     for segment, offset, length in chain.frames:
@@ -111,7 +115,7 @@ def _record_from(
         raise _corrupt(where, rollout_id, f"schema_version {record.schema_version}")
     if record.episode_id.rollout_id != rollout_id or record.revision != chain.revision:
         raise _corrupt(where, rollout_id, "the frame and the record disagree on episode or revision")
-    return record, state if state is not None else fields.split(data)
+    return record, data
 
 
 class LogView:
@@ -175,7 +179,7 @@ class LogLease(EpisodeLease):
     def __init__(self, store: LogEpisodeStore, rollout_id: str, lock: Path, fd: int, source: _Source) -> None:
         self.store, self.rollout_id, self.lock, self.source = store, rollout_id, lock, source
         self._fd: int | None = fd
-        self.base: fields.Fields | None = None
+        self.base: fields.Values | None = None
         """The fields of the stored record when it is the latest frame in this process's log (a delta's base)."""
         self.deltas = 0
 
@@ -376,7 +380,7 @@ class LogEpisodeStore(EpisodeStore):
     async def acquire(self, rollout_id: str) -> LogLease:
         _key, lock, legacy = self._lock_path(rollout_id)
         try:
-            fd = await self._io(_lock, lock)
+            fd, source = await self._io(self._take, rollout_id, lock, legacy)
         except LeaseHeld:
             raise Aborted(
                 f"episode {rollout_id!r} is being run by another call (its lease is held); retry after it finishes",
@@ -384,12 +388,16 @@ class LogEpisodeStore(EpisodeStore):
                 metadata={"rollout_id": rollout_id},
                 retry_delay=self.lease_retry_delay,
             ) from None
+        return LogLease(self, rollout_id, lock, fd, source)
+
+    def _take(self, rollout_id: str, lock: Path, legacy: Path) -> tuple[int, _Source]:
+        """The episode's lease and where its record is: one trip to the I/O threads, not two."""
+        fd = _lock(lock)
         try:
-            source = await self._io(self._resolve, rollout_id, legacy)
+            return fd, self._resolve(rollout_id, legacy)
         except BaseException:
             os.close(fd)
             raise
-        return LogLease(self, rollout_id, lock, fd, source)
 
     def _check(self, lease: EpisodeLease) -> LogLease:
         if not isinstance(lease, LogLease) or lease.store is not self or not lease.held:
@@ -404,6 +412,9 @@ class LogEpisodeStore(EpisodeStore):
 
     async def load(self, lease: EpisodeLease) -> EpisodeCheckpoint | None:
         held = self._check(lease)
+        source = held.source
+        if not source.damaged and source.legacy is None and (source.chain is None or source.chain.deleted):
+            return None  # nothing stored (a new episode): no trip to the I/O threads
         record = await self._io(self._load, held)
         if record is None:
             return None
@@ -425,14 +436,14 @@ class LogEpisodeStore(EpisodeStore):
             return None
         if source.view is None:
             try:
-                record, base = _record_from(source.chain, self._read_own, str(self.folder), held.rollout_id)
+                record, data = _record_from(source.chain, self._read_own, str(self.folder), held.rollout_id)
             except (KeyError, DataLoss):  # compacted since the lease resolved it: its frames moved
                 fresh = self.index.chains.get(held.rollout_id)
                 if fresh is None or fresh.version != source.version:
                     raise
                 held.source = _Source(source.version, source.revision, fresh)
-                record, base = _record_from(fresh, self._read_own, str(self.folder), held.rollout_id)
-            held.base, held.deltas = (base if self.full_every else None), len(source.chain.frames) - 1
+                record, data = _record_from(fresh, self._read_own, str(self.folder), held.rollout_id)
+            held.base, held.deltas = (_SHALLOW.values(data) if self.full_every else None), len(source.chain.frames) - 1
             return record
         view = source.view
         try:
@@ -471,11 +482,11 @@ class LogEpisodeStore(EpisodeStore):
         record.updated_at.FromNanoseconds(time.time_ns())
         try:
             data = record.SerializeToString(deterministic=True)
-            state = fields.split(data, held.base) if self.full_every else None
+            state = _SHALLOW.values(data) if self.full_every else None
             version, expires = held.source.version + 1, codec.expires_at_ns(record)
             kind, payload = frames.FULL, data
             if state is not None and held.base is not None and held.deltas < self.full_every:
-                delta = fields.diff(held.base, state)
+                delta = _SHALLOW.diff(held.base, state)
                 if len(delta) + 4 < len(data) * 3 // 4:  # else a FULL frame: fewer reads at load, little more
                     kind, payload = frames.DELTA, frames.encode_delta_payload(zlib.crc32(data), delta)
             frame = frames.encode(
@@ -677,11 +688,10 @@ class LogEpisodeStore(EpisodeStore):
                 kind, size = frames.TOMBSTONE, 0
             else:
                 try:
-                    _, state = _record_from(chain, self._read_own, str(self.folder), rid)
+                    _, data = _record_from(chain, self._read_own, str(self.folder), rid)  # the very bytes saved
                 except DataLoss:
                     damaged[rid] = chain.version
                     continue
-                data = fields.join(state)  # the very bytes saved (a delta written since builds on them)
                 frame = frames.encode(
                     frames.FULL, rid, data, version=chain.version, revision=chain.revision, expires_ns=chain.expires_ns
                 )

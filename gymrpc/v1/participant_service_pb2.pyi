@@ -413,6 +413,7 @@ class CommitRequest(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     EXPLICIT_SCOPE_FIELD_NUMBER: _builtins.int
     PERSIST_IN_BACKGROUND_FIELD_NUMBER: _builtins.int
+    BASE_CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
     SCOPE_ROLLOUT_IDS_FIELD_NUMBER: _builtins.int
     SCOPE_ATTEMPTS_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
@@ -432,6 +433,13 @@ class CommitRequest(_message.Message):
     resume at once, while the records file and manifest are written in the
     background. `Persist` waits for that write. A participant that does not
     know the field writes first and replies with the manifest, as before.
+    """
+    base_checkpoint_dir: _builtins.str
+    """Incremental commit: the folder of the previous published checkpoint of the
+    same checkpoint root (absolute, a sibling of `checkpoint_dir`). A
+    participant may then refer to records that checkpoint already holds
+    (`CheckpointManifest.segments`) instead of writing them again. Empty: write
+    every record. A participant that does not know the base writes every record.
     """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
@@ -467,12 +475,13 @@ class CommitRequest(_message.Message):
         stop: _builtins.bool = ...,
         explicit_scope: _builtins.bool = ...,
         persist_in_background: _builtins.bool = ...,
+        base_checkpoint_dir: _builtins.str = ...,
         scope_rollout_ids: _abc.Iterable[_builtins.str] | None = ...,
         scope_attempts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "episode_ids", b"episode_ids", "explicit_scope", b"explicit_scope", "persist_in_background", b"persist_in_background", "scope_attempts", b"scope_attempts", "scope_rollout_ids", b"scope_rollout_ids", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_checkpoint_dir", b"base_checkpoint_dir", "checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "episode_ids", b"episode_ids", "explicit_scope", b"explicit_scope", "persist_in_background", b"persist_in_background", "scope_attempts", b"scope_attempts", "scope_rollout_ids", b"scope_rollout_ids", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -528,8 +537,17 @@ class PersistRequest(_message.Message):
 
     CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
+    ABANDON_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Checkpoint committed with `persist_in_background`."""
+    abandon: _builtins.bool
+    """The controller will not publish this checkpoint: stop its write (no
+    manifest appears for it afterwards), wait until the write has ended, and
+    reply with an empty manifest. Once every member replied, nothing writes
+    into the checkpoint folder any more and the controller deletes it. A
+    participant that never captured the checkpoint answers
+    CHECKPOINT_INCOMPLETE, as for any persist.
+    """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """Absolute deadline of the wait; the write goes on past it, and a retried
@@ -541,10 +559,11 @@ class PersistRequest(_message.Message):
         *,
         checkpoint_id: _builtins.str = ...,
         deadline: _timestamp_pb2.Timestamp | None = ...,
+        abandon: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "deadline", b"deadline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -598,6 +617,7 @@ class CheckpointManifest(_message.Message):
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
     RECORDS_FORMAT_FIELD_NUMBER: _builtins.int
     ENDPOINT_ID_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Checkpoint id."""
     kind: Global___ParticipantKind.ValueType
@@ -629,6 +649,15 @@ class CheckpointManifest(_message.Message):
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When the manifest was written."""
 
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecordSegment]:
+        """Incremental commit: the records in order, as runs of records files. Empty:
+        the records file holds every record (`record_count` of them). Set: the
+        records file holds only the records written by this commit, and the
+        segments, in order, say where each record is; they add up to
+        `record_count`.
+        """
+
     def __init__(
         self,
         *,
@@ -644,14 +673,56 @@ class CheckpointManifest(_message.Message):
         schema_version: _builtins.int = ...,
         records_format: _builtins.str = ...,
         endpoint_id: _builtins.str = ...,
+        segments: _abc.Iterable[Global___RecordSegment] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "create_time", b"create_time", "endpoint_id", b"endpoint_id", "episode_ids", b"episode_ids", "kind", b"kind", "name", b"name", "record_count", b"record_count", "records_file", b"records_file", "records_format", b"records_format", "schema_version", b"schema_version", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "create_time", b"create_time", "endpoint_id", b"endpoint_id", "episode_ids", b"episode_ids", "kind", b"kind", "name", b"name", "record_count", b"record_count", "records_file", b"records_file", "records_format", b"records_format", "schema_version", b"schema_version", "segments", b"segments", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CheckpointManifest: _TypeAlias = CheckpointManifest  # noqa: Y015
+
+@_typing.final
+class RecordSegment(_message.Message):
+    """A run of consecutive records of one records file (an incremental commit)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_PATH_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    FIRST_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    records_path: _builtins.str
+    """Empty: this manifest's own records file. Else a records file of an earlier
+    checkpoint of the same root, relative to the root:
+    `<checkpoint_id>/<kind>/<folder>/records-<sha256>.bin`.
+    """
+    sha256: _builtins.str
+    """Lowercase hex sha256 of that records file (empty for the own file)."""
+    size_bytes: _builtins.int
+    """Size of that records file in bytes (0 for the own file)."""
+    first: _builtins.int
+    """Index of the run's first record in that file."""
+    count: _builtins.int
+    """Number of records in the run."""
+    def __init__(
+        self,
+        *,
+        records_path: _builtins.str = ...,
+        sha256: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        first: _builtins.int = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "first", b"first", "records_path", b"records_path", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordSegment: _TypeAlias = RecordSegment  # noqa: Y015
 
 @_typing.final
 class CheckpointIndex(_message.Message):

@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="larger requests are refused before tokenising (default %(default)s)",
     )
     parser.add_argument("--cache-size", type=int, default=1024, help="replies kept for retries (LRU)")
+    parser.add_argument(
+        "--incremental-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the token ids of the pieces a conversation's previous call rendered (default on; "
+        "--no-incremental-prompts renders every call whole, as a baseline)",
+    )
     add_participant_arguments(parser)
     scripted = parser.add_argument_group("scripted backend (sources are tried in the order below)")
     scripted.add_argument("--script", action="append", default=[], help="JSONL of replies (repeatable)")
@@ -241,6 +248,7 @@ def main() -> None:
             limits=limits,
             cache_size=args.cache_size,
             system_prompt=args.system_prompt,
+            incremental_prompts=args.incremental_prompts,
         )
         binding = ServiceBinding(
             pb.DESCRIPTOR.services_by_name["ModelService"],

@@ -11,6 +11,7 @@ Finished flights are kept in a bounded LRU; running ones are never evicted.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -118,7 +119,12 @@ class FlightTable:
 
     def _evict(self) -> None:
         excess = len(self._flights) - self.capacity
-        for request_id in [rid for rid, f in self._flights.items() if f.final.done()][: max(excess, 0)]:
+        if excess <= 0:
+            return
+        # Oldest first, and the oldest are nearly always done: a full table evicts after a step or two,
+        # not a scan of every flight on each admit.
+        done = (rid for rid, f in self._flights.items() if f.final.done())
+        for request_id in list(itertools.islice(done, excess)):
             del self._flights[request_id]
 
     def __len__(self) -> int:

@@ -49,6 +49,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         limits: Limits | None = None,
         cache_size: int = 1024,
         system_prompt: str | None = None,
+        incremental_prompts: bool = True,
     ) -> None:
         self.backend = backend if isinstance(backend, WeightSwitch) else WeightSwitch(backend)
         """The backend behind a `WeightSwitch`, which puts new weights in while generations run."""
@@ -56,8 +57,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self.limits = limits or Limits()
         self.memory = CompletionMemory(cache_size)  # locked: renders recall from worker threads
         kwargs = {} if system_prompt is None else {"default_system": system_prompt}
-        self.prompts = PromptTokenizer(tokenizer)  # the previous call's pieces come back without tokenising
-        self.template = ChatTemplate(self.prompts, memory=self.memory, **kwargs)  # type: ignore[arg-type]
+        self.prompts = PromptTokenizer(tokenizer) if incremental_prompts else None
+        """The previous call's pieces come back without tokenising; None renders every call whole (a bench baseline)."""
+        chat_tokenizer = tokenizer if self.prompts is None else self.prompts
+        self.template = ChatTemplate(chat_tokenizer, memory=self.memory, **kwargs)  # type: ignore[arg-type]
         self.flights = FlightTable(cache_size)
         self.gate: Any = None
         """Checkpoint hooks `admit`, `generate`, `deliver` (`gymrpc.servers.model.participant`), or None."""

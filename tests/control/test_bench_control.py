@@ -35,3 +35,7 @@ def test_quick_control_bench_reports_figures(tmp_path: Path) -> None:
     assert figures["restore_ms"] > 0
     assert set(figures["bytes_per_episode_by_kind"]) == {"agent", "model", "resources"}
     assert all(v > 0 for v in figures["bytes_per_episode_by_kind"].values())
+    increments = figures["incremental"]  # 10 of 100 episodes moved: it writes less than a full commit
+    assert increments["changed"] == 10
+    assert 0 < increments["incremental"]["bytes"] < increments["full"]["bytes"]
+    assert "incremental commit after 10 of 100 episodes changed" in stdout

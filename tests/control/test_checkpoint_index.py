@@ -142,10 +142,13 @@ def test_a_commit_that_failed_on_one_replica_leaves_no_index_and_a_restore_refus
     async def main() -> None:
         old = await seeded()
         controller = controller_of(ReplicaClient(old, broken={"1": {"Commit"}}))
+        assert (await controller.prepare("c1")).prepared
         with pytest.raises(CoordinationError) as caught:
             # Written before the commit replies (not in the background), so replica 0's folder is complete
-            # when the failure is raised: the escape hatch below reads it.
-            await controller.checkpoint(tmp_path, episode_ids=EPISODES, checkpoint_id="c1", nonstop=False)
+            # when the failure is raised: the escape hatch below reads it. (`checkpoint` would discard the
+            # folder; a commit by hand leaves it to its caller.)
+            await controller.commit("c1", tmp_path / "c1", EPISODES)
+        await controller.resume("c1")
         assert list(caught.value.failures) == [f"{NAME}#1"]
         await close(old)
         folder = tmp_path / "c1"

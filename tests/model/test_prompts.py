@@ -1,9 +1,15 @@
-"""Incremental prompts: reused piece tokens give exactly the full render, and only byte-identical pieces are reused."""
+"""Incremental prompts: reused piece tokens give exactly the full render, only byte-identical pieces are reused,
+and the model server's `--no-incremental-prompts` turns them off (the baseline of bench/episodes.py)."""
 
 from __future__ import annotations
 
 from gymrpc.chat import ChatTemplate, default_tokenizer
+from gymrpc.launch.options import server_argv
+from gymrpc.servers.model.__main__ import build_parser
+from gymrpc.servers.model.backends.scripted import ScriptedBackend
+from gymrpc.servers.model.backends.sources import CounterSolver
 from gymrpc.servers.model.prompts import PromptTokenizer
+from gymrpc.servers.model.service import ModelServicer
 
 TOOLS = [{"name": "lookup", "description": "Look a record up. " * 8, "parameters": {"type": "object"}}]
 
@@ -45,3 +51,26 @@ def test_the_memory_is_bounded() -> None:
     for i in range(200):
         incremental.encode(f"piece {i} " * 20)
     assert incremental._chars <= 10_000
+
+
+def test_the_model_server_switch_turns_incremental_prompts_off_with_the_same_render() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["--policy", "counter"]).incremental_prompts is True
+    assert parser.parse_args(["--policy", "counter", "--no-incremental-prompts"]).incremental_prompts is False
+    off = ["--no-incremental-prompts"]
+    module = "gymrpc.servers.model"
+    assert server_argv("model/m", module, {"policy": ["counter"], "incremental_prompts": False})[-1:] == off
+    assert server_argv("model/m", module, {"policy": ["counter"], "no_incremental_prompts": True})[-1:] == off
+
+    tokenizer = default_tokenizer()
+    servers = {
+        on: ModelServicer(ScriptedBackend(tokenizer, [CounterSolver()]), tokenizer, incremental_prompts=on)
+        for on in (True, False)
+    }
+    assert isinstance(servers[True].prompts, PromptTokenizer)
+    assert servers[True].template.tokenizer is servers[True].prompts
+    assert servers[False].prompts is None
+    assert servers[False].template.tokenizer is tokenizer
+    for turns in range(3):
+        messages = _conversation(turns)
+        assert servers[True].template.render(messages, TOOLS) == servers[False].template.render(messages, TOOLS)

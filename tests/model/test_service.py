@@ -22,7 +22,7 @@ from gymrpc.errors import from_rpc_error
 from gymrpc.servers.model.backends.base import CompletionDelta, Conversation, Sampling
 from gymrpc.servers.model.backends.scripted import ScriptedBackend
 from gymrpc.servers.model.backends.sources import CounterSolver
-from gymrpc.servers.model.requests import Limits
+from gymrpc.servers.model.requests import Limits, check_request
 from gymrpc.servers.model.service import ModelServicer
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
@@ -218,6 +218,13 @@ BAD_REQUESTS = {
     "duplicate tool": (lambda r: r.tools.append(common_pb2.ToolDefinition(name="get_counter_value")),
                        "listed twice"),
 }  # fmt: skip
+
+
+def test_a_tool_list_is_parsed_once_and_each_call_gets_its_own_list() -> None:
+    first, again = (check_request(_request(f"r{k}"), Limits(), ()) for k in range(2))
+    assert first.tools == again.tools
+    assert first.tools is not again.tools, "a caller may extend its list without touching the next call's"
+    assert all(a is b for a, b in zip(first.tools, again.tools, strict=True)), "the parsed schemas are shared"
 
 
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))

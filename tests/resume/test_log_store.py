@@ -13,6 +13,7 @@ the store on real files.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -489,3 +490,47 @@ def test_a_split_reusing_an_older_revision_equals_a_plain_split() -> None:
         for like in [*splits, {}, {1: [b"\x0a\x00"]}]:
             assert fields.split(data, like) == plain
             assert fields.join(fields.split(data, like)) == data
+
+
+def test_the_shallow_split_writes_the_deltas_the_python_split_writes() -> None:
+    """`Shallow` (upb) and `split` + `diff` (Python) give byte-identical deltas, so either writer's log
+    reads back the same: growth, rewrites, a replaced snapshot, a completion that drops fields."""
+    from gymrpc.store import fields
+
+    shallow = fields.Shallow(EpisodeCheckpoint.DESCRIPTOR)
+    record = _record("rid-shallow", step=1)
+    revisions = []
+    for step in range(8):
+        record.revision, record.step = step, step
+        record.updated_at.FromNanoseconds(1_000 + step * 10**9)
+        record.messages.add(role=common_pb2.ROLE_ASSISTANT, content=f"turn {step} " * (step * 40))
+        record.resource_snapshot.payload = bytes([step]) * (200 * step)
+        if step == 4:
+            record.messages[0].content = "rewritten"
+            record.usage.SetInParent()  # present but empty: an entry of 2 bytes
+        if step == 6:
+            record.ClearField("messages")
+            record.phase = agent_pb.EPISODE_PHASE_COMPLETED
+            record.expires_at.FromNanoseconds(2**62)
+        revisions.append(record.SerializeToString(deterministic=True))
+    revisions.append(EpisodeCheckpoint().SerializeToString())  # everything removed
+    for before, after in itertools.pairwise(revisions):
+        expected = fields.diff(fields.split(before), fields.split(after))
+        old, new = shallow.values(before), shallow.values(after)
+        assert old is not None
+        assert new is not None
+        assert shallow.diff(old, new) == expected
+        assert fields.join(fields.apply(fields.split(before), expected)) == after
+
+
+def test_a_record_with_fields_the_shallow_split_does_not_know_is_written_whole() -> None:
+    from gymrpc.store import fields
+
+    shallow = fields.Shallow(EpisodeCheckpoint.DESCRIPTOR)
+    data = _record("rid-unknown", step=1).SerializeToString(deterministic=True)
+    assert shallow.values(data) is not None
+    assert shallow.values(data + b"\xf8\x07\x01") is None  # field 127: not in this schema
+    assert shallow.values(b"\x0a\x05ab") is None  # truncated
+    assert shallow.values(b"\x38\x81\x00") is None  # step = 1 as a two-byte varint: not canonical
+    assert shallow.values(b"\x38\x01\x38\x02") is None  # a singular field twice (the last one wins)
+    assert shallow.values(b"\x38\x01") == {7: 1}

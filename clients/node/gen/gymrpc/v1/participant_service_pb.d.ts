@@ -339,6 +339,17 @@ export declare type CommitRequest = Message<"gymrpc.v1.CommitRequest"> & {
   persistInBackground: boolean;
 
   /**
+   * Incremental commit: the folder of the previous published checkpoint of the
+   * same checkpoint root (absolute, a sibling of `checkpoint_dir`). A
+   * participant may then refer to records that checkpoint already holds
+   * (`CheckpointManifest.segments`) instead of writing them again. Empty: write
+   * every record. A participant that does not know the base writes every record.
+   *
+   * @generated from field: string base_checkpoint_dir = 8;
+   */
+  baseCheckpointDir: string;
+
+  /**
    * The scope in packed form, for thousands of episodes in flight (it costs
    * far less to build and to read than one `EpisodeId` message each): episode
    * i is (`scope_rollout_ids[i]`, `scope_attempts[i]`), with the meaning of
@@ -346,14 +357,14 @@ export declare type CommitRequest = Message<"gymrpc.v1.CommitRequest"> & {
    * whose `GetStatusResponse.accepts_packed_scope` is set. A request that
    * sets both forms, or lists of different lengths, is INVALID_ARGUMENT.
    *
-   * @generated from field: repeated string scope_rollout_ids = 8;
+   * @generated from field: repeated string scope_rollout_ids = 9;
    */
   scopeRolloutIds: string[];
 
   /**
    * Attempt of each `scope_rollout_ids` entry, in the same order (packed).
    *
-   * @generated from field: repeated uint32 scope_attempts = 9;
+   * @generated from field: repeated uint32 scope_attempts = 10;
    */
   scopeAttempts: number[];
 };
@@ -429,6 +440,18 @@ export declare type PersistRequest = Message<"gymrpc.v1.PersistRequest"> & {
    * @generated from field: google.protobuf.Timestamp deadline = 2;
    */
   deadline?: Timestamp | undefined;
+
+  /**
+   * The controller will not publish this checkpoint: stop its write (no
+   * manifest appears for it afterwards), wait until the write has ended, and
+   * reply with an empty manifest. Once every member replied, nothing writes
+   * into the checkpoint folder any more and the controller deletes it. A
+   * participant that never captured the checkpoint answers
+   * CHECKPOINT_INCOMPLETE, as for any persist.
+   *
+   * @generated from field: bool abandon = 3;
+   */
+  abandon: boolean;
 };
 
 /**
@@ -556,6 +579,17 @@ export declare type CheckpointManifest = Message<"gymrpc.v1.CheckpointManifest">
    * @generated from field: string endpoint_id = 12;
    */
   endpointId: string;
+
+  /**
+   * Incremental commit: the records in order, as runs of records files. Empty:
+   * the records file holds every record (`record_count` of them). Set: the
+   * records file holds only the records written by this commit, and the
+   * segments, in order, say where each record is; they add up to
+   * `record_count`.
+   *
+   * @generated from field: repeated gymrpc.v1.RecordSegment segments = 13;
+   */
+  segments: RecordSegment[];
 };
 
 /**
@@ -563,6 +597,56 @@ export declare type CheckpointManifest = Message<"gymrpc.v1.CheckpointManifest">
  * Use `create(CheckpointManifestSchema)` to create a new message.
  */
 export declare const CheckpointManifestSchema: GenMessage<CheckpointManifest>;
+
+/**
+ * A run of consecutive records of one records file (an incremental commit).
+ *
+ * @generated from message gymrpc.v1.RecordSegment
+ */
+export declare type RecordSegment = Message<"gymrpc.v1.RecordSegment"> & {
+  /**
+   * Empty: this manifest's own records file. Else a records file of an earlier
+   * checkpoint of the same root, relative to the root:
+   * `<checkpoint_id>/<kind>/<folder>/records-<sha256>.bin`.
+   *
+   * @generated from field: string records_path = 1;
+   */
+  recordsPath: string;
+
+  /**
+   * Lowercase hex sha256 of that records file (empty for the own file).
+   *
+   * @generated from field: string sha256 = 2;
+   */
+  sha256: string;
+
+  /**
+   * Size of that records file in bytes (0 for the own file).
+   *
+   * @generated from field: uint64 size_bytes = 3;
+   */
+  sizeBytes: bigint;
+
+  /**
+   * Index of the run's first record in that file.
+   *
+   * @generated from field: uint64 first = 4;
+   */
+  first: bigint;
+
+  /**
+   * Number of records in the run.
+   *
+   * @generated from field: uint64 count = 5;
+   */
+  count: bigint;
+};
+
+/**
+ * Describes the message gymrpc.v1.RecordSegment.
+ * Use `create(RecordSegmentSchema)` to create a new message.
+ */
+export declare const RecordSegmentSchema: GenMessage<RecordSegment>;
 
 /**
  * The controller's record of one whole coordinated checkpoint:

@@ -1,0 +1,45 @@
+"""Smoke test of `bench/store.py --quick`: every store, the harness baseline, the per-thread CPU split and
+the several-process round run end to end and report sane figures. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU clocks")
+
+
+def test_quick_store_bench_reports_every_store_and_the_processes_round(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, str(ROOT / "bench" / "store.py"), "--quick", "--total", "400", "--episodes", "16"]
+    proc = subprocess.run(
+        [*argv, "--procs", "2", "--dir", str(tmp_path), "--json", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert results["harness"]["cpu_us_per_boundary"] > 0
+    for kind in ("log", "log-whole", "files"):
+        assert results[kind]["boundaries_per_s"] > 0
+        assert results[kind]["bytes_per_boundary"] > 100
+    log = results["log"]
+    assert log["bytes_per_boundary"] < results["log-whole"]["bytes_per_boundary"]  # deltas
+    assert log["loop_cpu_us_per_boundary"] > 0
+    assert log["lease_cpu_us_per_episode"] > 0
+    processes = results["processes"]
+    assert processes["procs"] == 2
+    assert len(processes["per_process"]) == 2
+    assert processes["boundaries_per_s"] > 0
+    assert [r["steps"] for r in results["split"]] == [8, 64]
