@@ -223,7 +223,7 @@ def _commit_requests(
     (an older one) gets `episode_ids`, since it would take a packed scope for an empty one.
     """
     episodes = list(episode_ids or ())
-    requests = {}
+    requests: dict[bool, pb.CommitRequest] = {}
     for packed in {m.packed_scope for m in members}:
         request = requests[packed] = pb.CommitRequest()
         request.CopyFrom(base)
