@@ -4,7 +4,10 @@ Participants are real gRPC servers (`grpc.aio` on 127.0.0.1, token check and err
 `gymrpc up` serves them) running in this one process (`tests/control/deployment.py`): an agent-kind
 participant, models and counter resources servers. One process keeps the figures about the
 control plane itself (no scheduler noise from a dozen processes); the cost of a process hop is
-the same loopback gRPC call either way. Every episode in flight has a live resources session
+the same loopback gRPC call either way. But one event loop also serialises what a stack does side
+by side: a pause holds the sum of every participant's handling. `--processes` serves each
+participant from a process of its own (this script with `--serve NAME`), as a stack does; the
+participants' own capture timings are then not read. Every episode in flight has a live resources session
 (exported snapshot), a model ledger row per delivered call, and agent state at a boundary.
 
 Measured, with `--episodes` in flight:
@@ -19,7 +22,10 @@ Measured, with `--episodes` in flight:
   for the in-memory capture. For each: the time parked (commit's start to the end of the resume;
   the prepare before it is the figure above) and the time from commit's start to the published
   index; for non-stop, also the participants' captures alone (each plane's own timing, summed:
-  they share this process's event loop, so the pause holds their sum);
+  they share this process's event loop, so the pause holds their sum). Non-stop runs twice: with
+  the packed scope controllers send, and with one `EpisodeId` message per episode (what an older
+  participant gets, and what every controller sent before), rounds alternating, so the ratio of
+  the two is measured under one load;
 - Restore: into freshly started participants, all or nothing, wall time; then resume;
 - bytes per episode: the records files' size (manifests' `size_bytes`) over the episodes, per kind;
 - incremental commits: one full checkpoint, then `--changed` episodes take one more step (a model
@@ -31,13 +37,14 @@ Measured, with `--episodes` in flight:
 The reference (NeMo Gym, HTTP) reports prepare in 4-8 ms with 40-80 episodes in flight.
 
     .venv/bin/python bench/control.py [--quick] [--episodes N] [--rounds R] [--resources K] [--changed C]
-        [--json out.json]
+        [--processes] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import statistics
@@ -52,45 +59,112 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gymrpc.control import EpisodeKey  # noqa: E402
-from tests.control.deployment import Deployment, DirectClient  # noqa: E402
+from tests.control.deployment import Deployment, DirectClient, start_node  # noqa: E402
 
 REFERENCE = "reference (NeMo Gym): prepare 4-8 ms with 40-80 episodes in flight"
+MODES = ("stop", "nonstop", "nonstop-messages")
+"""Commit rounds cycle through these: stop-the-world; non-stop with the packed scope (what controllers
+send); non-stop with one `EpisodeId` message per episode (what they send a participant that does not
+say it reads the packed form, and what every controller sent before), so both scope forms are
+measured in one run, under the same load."""
+ORDER = ("stop", "nonstop", "nonstop-messages", "stop", "nonstop-messages", "nonstop")
+"""Each non-stop mode follows stop-the-world (whose records are built in the pause, leaving the most
+garbage) as often as the other does."""
 
 
 class _Timed:
-    """A participant stub whose `Prepare` calls are timed; other methods pass through."""
+    """A participant stub whose `Prepare` and `Commit` calls are timed; other methods pass through."""
 
-    def __init__(self, stub: Any, timings: dict[str, list[float]], name: str) -> None:
+    def __init__(self, stub: Any, timings: dict[str, dict[str, list[float]]], name: str) -> None:
         self._stub = stub
-        prepare = stub.Prepare
+        self.Prepare = self._timed(stub.Prepare, timings["prepare"], name)
+        self.Commit = self._timed(stub.Commit, timings["commit"], name)
 
+    @staticmethod
+    def _timed(call: Any, timings: dict[str, list[float]], name: str) -> Any:
         async def timed(request: Any, *, timeout: float | None = None) -> Any:
             started = time.perf_counter()
             try:
-                return await prepare(request, timeout=timeout)
+                return await call(request, timeout=timeout)
             finally:
                 timings[name].append((time.perf_counter() - started) * 1000)
 
-        self.Prepare = timed
+        return timed
 
     def __getattr__(self, method: str) -> Any:
         return getattr(self._stub, method)
 
 
 class TimedClient(DirectClient):
-    """Records the latency of every `Prepare` RPC, per participant (one wrapper per stub, like the stubs)."""
+    """Records the latency of every `Prepare` and `Commit` RPC, per participant (one wrapper per stub)."""
 
     def __init__(self, base: DirectClient) -> None:
         super().__init__(base.nodes)
         self.prepare_ms: dict[str, list[float]] = defaultdict(list)
+        self.commit_ms: dict[str, list[float]] = defaultdict(list)
         self._timed: dict[str, _Timed] = {}
 
     def participant(self, name: str) -> Any:
         stub = super().participant(name)
         timed = self._timed.get(name)
         if timed is None or timed._stub is not stub:
-            timed = self._timed[name] = _Timed(stub, self.prepare_ms, name)
+            timed = self._timed[name] = _Timed(stub, {"prepare": self.prepare_ms, "commit": self.commit_ms}, name)
         return timed
+
+
+@dataclasses.dataclass
+class ProcessNode:
+    """A participant served by a process of its own (`--processes`), as `Deployment` sees a node."""
+
+    name: str
+    address: str
+    process: asyncio.subprocess.Process
+    alive: bool = True
+
+    async def kill(self) -> None:
+        if self.alive:
+            self.alive = False
+            assert self.process.stdin is not None
+            self.process.stdin.close()  # the child stops its server and exits
+            await self.process.wait()
+
+
+async def spawn(participants: list[str], episodes: int) -> Deployment:
+    """Each participant in its own process (`--serve`), as in a stack; the agent tracks its episodes itself."""
+    nodes: dict[str, Any] = {}
+    for name in participants:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--serve",
+            name,
+            "--episodes",
+            str(episodes),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None
+        address = (await process.stdout.readline()).decode().strip()
+        assert address, f"{name} did not start"
+        nodes[name] = ProcessNode(name, address, process)
+    deployment = Deployment(nodes)
+    await deployment.controller.discover()
+    return deployment
+
+
+async def serve(name: str, episodes: int) -> None:
+    """One participant for `--processes`: print its address, serve until stdin closes."""
+    node = await start_node(name)
+    if name.startswith("agent/"):
+        for key in keys_of(episodes):
+            node.participant.track(key)
+    print(node.address, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await node.kill()
+
+
+def keys_of(episodes: int) -> list[EpisodeKey]:
+    return [EpisodeKey(f"e{i:05d}", 0) for i in range(episodes)]
 
 
 def names(resources: int, models: int) -> list[str]:
@@ -99,8 +173,8 @@ def names(resources: int, models: int) -> list[str]:
 
 async def load(deployment: Deployment, episodes: int, resources: int, models: int) -> list[EpisodeKey]:
     """Put `episodes` in flight: a seeded session, one delivered model call, one tool call, agent state."""
-    keys = [EpisodeKey(f"e{i:05d}", 0) for i in range(episodes)]
-    agent = deployment.nodes["agent/a"].participant
+    keys = keys_of(episodes)
+    agent = getattr(deployment.nodes["agent/a"], "participant", None)  # None: its own process tracks them
     gate = asyncio.Semaphore(64)
 
     async def one(i: int, key: EpisodeKey) -> None:
@@ -109,7 +183,8 @@ async def load(deployment: Deployment, episodes: int, resources: int, models: in
             await deployment.seed(res, key)
             await deployment.generate(model, key, 0)
             await deployment.increment(res, key, "call-0")
-            agent.track(key)
+            if agent is not None:
+                agent.track(key)
 
     await asyncio.gather(*(one(i, k) for i, k in enumerate(keys)))
     return keys
@@ -149,7 +224,12 @@ def pct(values: list[float], q: float) -> float:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     participants = names(args.resources, args.models)
-    deployment = await Deployment.start(participants)
+
+    async def start(episodes: int = 0) -> Deployment:
+        """`episodes`: how many the agent process tracks from its start (a restore needs a fresh one)."""
+        return await (spawn(participants, episodes) if args.processes else Deployment.start(participants))
+
+    deployment = await start(args.episodes)
     timed = TimedClient(deployment.client)
     deployment.client = timed
     deployment.controller.client = timed  # type: ignore[assignment]
@@ -163,43 +243,55 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await deployment.controller.resume(f"warm-{warm}")
         timed.prepare_ms.clear()
         staged_ms: list[float] = []
-        parked_ms: dict[str, list[float]] = {"stop": [], "nonstop": []}
-        publish_ms: dict[str, list[float]] = {"stop": [], "nonstop": []}
-        capture_ms: list[float] = []
+        parked_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
+        publish_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
+        capture_ms: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
+        slowest_commit_ms: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
+        resume_ms: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
         manifests: dict[str, Any] = {}
         controller = deployment.controller
+        members = await controller.discover()
+        as_messages = [dataclasses.replace(m, packed_scope=False) for m in members]  # as an older participant
         for round_ in range(args.rounds):
             checkpoint_id = f"c{round_}"
             started = time.perf_counter()
             result = await controller.prepare(checkpoint_id, timeout=30)
             staged_ms.append((time.perf_counter() - started) * 1000)
             assert result.prepared, result.blockers()
-            if round_ >= 2 * args.commits:
+            if round_ >= len(MODES) * args.commits:
                 await controller.resume(checkpoint_id)
                 continue
             folder = root / checkpoint_id
+            mode = ORDER[round_ % len(ORDER)]
+            controller.members = as_messages if mode == "nonstop-messages" else members
+            timed.commit_ms.clear()
             started = time.perf_counter()
-            if round_ % 2 == 0:  # stop-the-world: parked until every member wrote
+            if mode == "stop":  # stop-the-world: parked until every member wrote
                 manifests = await controller.commit(checkpoint_id, folder, keys, timeout=120)
                 published = time.perf_counter()
                 await controller.resume(checkpoint_id)
-                mode, resumed = "stop", time.perf_counter()
+                resumed = time.perf_counter()
             else:  # non-stop: parked for the capture only
                 captured = await controller.capture(checkpoint_id, folder, keys, timeout=120)
+                resuming = time.perf_counter()
                 await controller.resume(checkpoint_id)
                 resumed = time.perf_counter()
-                captures = [node.plane.capture_seconds(checkpoint_id) for node in deployment.nodes.values()]
-                capture_ms.append(sum(s or 0.0 for s in captures) * 1000)
+                resume_ms[mode].append((resumed - resuming) * 1000)
+                slowest_commit_ms[mode].append(max(max(v) for v in timed.commit_ms.values()))
+                if not args.processes:  # each plane's own timing, read in this process
+                    captures = [node.plane.capture_seconds(checkpoint_id) for node in deployment.nodes.values()]
+                    capture_ms[mode].append(sum(s or 0.0 for s in captures) * 1000)
                 manifests, _ = await controller.publish(captured)
-                mode, published = "nonstop", time.perf_counter()
+                published = time.perf_counter()
             parked_ms[mode].append((resumed - started) * 1000)
             publish_ms[mode].append((published - started) * 1000)
+        controller.members = members
         increments = await incremental(deployment, root / "incremental", keys, args)
         per_rpc = [ms for values in timed.prepare_ms.values() for ms in values]
         bytes_by_kind: dict[str, int] = defaultdict(int)
         for name, manifest in manifests.items():
             bytes_by_kind[name.partition("/")[0]] += manifest.size_bytes
-        fresh = await Deployment.start(participants)
+        fresh = await start()
         try:
             started = time.perf_counter()
             restored = await fresh.controller.restore("restore-1", root / "c1", keys, timeout=300)
@@ -229,9 +321,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "publish_max": max(publish_ms[mode]),
                     "n": len(parked_ms[mode]),
                 }
-                for mode in ("stop", "nonstop")
+                for mode in MODES
             },
-            "capture_ms_summed": {"median": statistics.median(capture_ms), "max": max(capture_ms)},
+            "processes": args.processes,
+            "nonstop_parts_ms": {
+                mode: {
+                    "slowest_commit_rpc_median": statistics.median(slowest_commit_ms[mode]),
+                    "resume_median": statistics.median(resume_ms[mode]),
+                }
+                for mode in MODES[1:]
+            },
+            "capture_ms_summed": {
+                mode: {"median": statistics.median(values), "max": max(values)}
+                for mode, values in capture_ms.items()
+                if values
+            },
             "restore_ms": restore_ms,
             "bytes_per_episode": total_bytes / args.episodes,
             "bytes_per_episode_by_kind": {k: v / args.episodes for k, v in sorted(bytes_by_kind.items())},
@@ -249,7 +353,8 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"{r['episodes']} episodes in flight across {r['participants']} participants "
-            f"(in-process gRPC servers; loaded in {r['load_s']} s), {r['rounds']} rounds",
+            f"({'gRPC servers, one process each' if r['processes'] else 'in-process gRPC servers'}; "
+            f"loaded in {r['load_s']} s), {r['rounds']} rounds",
             f"prepare, per participant RPC: p50 {rpc['p50']:.2f} ms, p99 {rpc['p99']:.2f} ms ({rpc['n']} calls)",
             f"prepare, whole staged prepare:  p50 {staged['p50']:.2f} ms, p99 {staged['p99']:.2f} ms "
             f"(max {staged['max']:.2f} ms, {staged['n']} rounds)",
@@ -257,12 +362,29 @@ def report(r: dict[str, Any]) -> str:
                 f"commit, {label}: parked median {c['parked_median']:.1f} ms (max {c['parked_max']:.1f}), "
                 f"commit to publish median {c['publish_median']:.1f} ms (max {c['publish_max']:.1f}), "
                 f"{c['n']} checkpoints"
-                for label, c in (("stop-the-world", commit["stop"]), ("non-stop      ", commit["nonstop"]))
+                for label, c in (
+                    ("stop-the-world          ", commit["stop"]),
+                    ("non-stop                ", commit["nonstop"]),
+                    ("non-stop, EpisodeId scope", commit["nonstop-messages"]),
+                )
             ),
-            f"non-stop, the participants' captures alone (summed): median {r['capture_ms_summed']['median']:.1f} ms "
-            f"(max {r['capture_ms_summed']['max']:.1f})",
+            *(
+                f"{label}, the participants' captures alone (summed): median {c['median']:.1f} ms (max {c['max']:.1f})"
+                for label, mode in (("non-stop", "nonstop"), ("non-stop, EpisodeId scope", "nonstop-messages"))
+                if (c := r["capture_ms_summed"].get(mode)) is not None
+            ),
+            *(
+                f"{label}: of the time parked, the Commit fan-out (its slowest RPC) median "
+                f"{p['slowest_commit_rpc_median']:.1f} ms, the staged resume median {p['resume_median']:.1f} ms"
+                for label, p in (
+                    ("non-stop", r["nonstop_parts_ms"]["nonstop"]),
+                    ("non-stop, EpisodeId scope", r["nonstop_parts_ms"]["nonstop-messages"]),
+                )
+            ),
             f"parked time, non-stop over stop-the-world: "
             f"{commit['nonstop']['parked_median'] / commit['stop']['parked_median']:.2f}x",
+            f"parked time, packed scope over one EpisodeId message per episode (both non-stop): "
+            f"{commit['nonstop']['parked_median'] / commit['nonstop-messages']['parked_median']:.2f}x",
             f"restore into fresh participants: {r['restore_ms']:.1f} ms",
             f"bytes per episode: {r['bytes_per_episode']:.0f} ({kinds})",
             f"incremental commit after {inc['changed']} of {r['episodes']} episodes changed: "
@@ -276,7 +398,7 @@ def report(r: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="100 episodes, 5 rounds (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="100 episodes, 6 rounds (a smoke run)")
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument(
         "--rounds", type=int, default=200, help="prepare/resume rounds (a p99 needs well over 100; 30 gives the max)"
@@ -286,11 +408,18 @@ def main() -> int:
     parser.add_argument("--models", type=int, default=2, help="model servers")
     parser.add_argument("--changed", type=int, default=10, help="episodes that move before the incremental commit")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--processes", action="store_true", help="each participant in its own process, as in a stack (not --quick)"
+    )
+    parser.add_argument("--serve", metavar="NAME", help=argparse.SUPPRESS)  # one participant of --processes
     args = parser.parse_args()
+    if args.serve:
+        asyncio.run(serve(args.serve, args.episodes))
+        return 0
     if args.quick:
-        args.episodes, args.rounds, args.commits = 100, 5, 2
-    args.commits = max(1, min(args.commits, args.rounds // 2))
-    args.rounds = max(args.rounds, 2 * args.commits)
+        args.episodes, args.rounds, args.commits = 100, 6, 2
+    args.commits = max(1, min(args.commits, args.rounds // len(MODES)))
+    args.rounds = max(args.rounds, len(MODES) * args.commits)
     result = asyncio.run(bench(args))
     print(report(result))
     if args.json:

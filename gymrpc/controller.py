@@ -69,6 +69,7 @@ from gymrpc.control.types import (
     RETIRE_ORDER,
     EpisodeKey,
     Kind,
+    packed_scope,
 )
 from gymrpc.errors import (
     DataLoss,
@@ -212,6 +213,29 @@ def _ids(episodes: Iterable[EpisodeKey]) -> list[common_pb2.EpisodeId]:
     return [e.to_pb() for e in episodes]
 
 
+def _commit_requests(
+    base: pb.CommitRequest, episode_ids: Iterable[EpisodeKey] | None, members: Sequence[Member]
+) -> dict[bool, pb.CommitRequest]:
+    """The Commit for each scope form some member reads: packed (True) or one `EpisodeId` each (False).
+
+    The packed form costs two flat lists to build and to read, not one message per episode, which
+    matters while thousands of episodes wait; a participant that does not say it reads that form
+    (an older one) gets `episode_ids`, since it would take a packed scope for an empty one.
+    """
+    episodes = list(episode_ids or ())
+    requests: dict[bool, pb.CommitRequest] = {}
+    for packed in {m.packed_scope for m in members}:
+        request = requests[packed] = pb.CommitRequest()
+        request.CopyFrom(base)
+        if packed:
+            rollout_ids, attempts = packed_scope(episodes)
+            request.scope_rollout_ids.extend(rollout_ids)
+            request.scope_attempts.extend(attempts)
+        else:
+            request.episode_ids.extend(_ids(episodes))
+    return requests
+
+
 class Controller:
     """Control calls across the participants of the stack `client` reaches.
 
@@ -242,7 +266,7 @@ class Controller:
         )
         kinds = set(Kind)
         members = [
-            t.of_kind(Kind(reply.kind))
+            t.of_kind(Kind(reply.kind), packed_scope=reply.accepts_packed_scope)
             for t in found
             if (reply := replies.get(t.label)) is not None and reply.kind in kinds
         ]
@@ -376,7 +400,6 @@ class Controller:
             checkpoint_id=checkpoint_id,
             deadline=timestamp(deadline),
             checkpoint_dir=_absolute(checkpoint_dir),
-            episode_ids=_ids(episode_ids or ()),
             stop=stop,
             explicit_scope=episode_ids is not None,
             persist_in_background=background,
@@ -384,8 +407,11 @@ class Controller:
         )
         members = await self._members()
         await asyncio.to_thread(self._lease, Path(request.checkpoint_dir), checkpoint_id, deadline)
+        requests = _commit_requests(request, episode_ids, members)
         replies = await self._fan(
-            "commit", members, lambda m: self._stub(m).Commit(request, timeout=self._left(deadline))
+            "commit",
+            members,
+            lambda m: self._stub(m).Commit(requests[m.packed_scope], timeout=self._left(deadline)),
         )
         versions = await self._weight_versions(members, deadline)
         return Captured(
@@ -701,7 +727,8 @@ class Controller:
                     if episode_ids is not None:
                         wanted = list(episode_ids)
                         scope = result.continued = result.prepare.continued(wanted)
-                        result.restarted = [e for e in wanted if e not in set(scope)]
+                        continued = set(scope)
+                        result.restarted = [e for e in wanted if e not in continued]
                     committing = time.perf_counter()
                     committed = True
                     base = await asyncio.to_thread(gc.newest_published, folder.parent) if incremental else None

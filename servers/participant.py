@@ -12,10 +12,10 @@ import logging
 
 import grpc
 
-from gymrpc.control import ControlPlane, Participant, collection
+from gymrpc.control import ControlPlane, Participant, Scope, collection
 from gymrpc.control.index import manifest_path
 from gymrpc.control.plane import DEFAULT_LEASE_GRACE, Placement
-from gymrpc.control.types import episode_keys
+from gymrpc.control.types import episode_keys, packed_episode_keys
 from gymrpc.errors import InvalidArgument
 from gymrpc.pbtime import request_seconds, timestamp
 from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding
@@ -39,6 +39,21 @@ def _deadline(
     return request_seconds(request.deadline, "deadline")
 
 
+def commit_scope(request: pb.CommitRequest) -> Scope:
+    """The episodes a Commit continues, from either form; None: every parked one (no explicit scope)."""
+    if request.scope_rollout_ids or request.scope_attempts:
+        if request.episode_ids:
+            raise InvalidArgument(
+                "the commit scope is set twice, in episode_ids and in scope_rollout_ids/scope_attempts: "
+                "send one form (the packed one to participants whose GetStatus says accepts_packed_scope)",
+                metadata={"field": "scope_rollout_ids"},
+            )
+        listed = packed_episode_keys(request.scope_rollout_ids, request.scope_attempts)
+    else:
+        listed = frozenset(episode_keys(request.episode_ids))
+    return listed if request.explicit_scope or listed else None
+
+
 class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
@@ -56,6 +71,7 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
             start_time=timestamp(status.started_at),
             details=status.details,
             endpoint_id=status.endpoint_id,
+            accepts_packed_scope=True,
         )
         if status.lease_expires_at is not None:
             reply.lease_expire_time.CopyFrom(timestamp(status.lease_expires_at))
@@ -73,8 +89,7 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         if background := request.persist_in_background:
             collection.hold(self.plane)  # until the resume: no full collection while the episodes wait
         try:
-            listed = frozenset(episode_keys(request.episode_ids))
-            scope = listed if request.explicit_scope or listed else None
+            scope = commit_scope(request)
             manifest = await self.plane.commit(
                 request.checkpoint_id,
                 _deadline(request),

@@ -47,6 +47,8 @@ class Member:
     """Replica id behind `name`; None: the name itself (a directory without replica ids)."""
     replicas: int = 1
     """Replicas of `name` discovered; with more than one, labels tell them apart."""
+    packed_scope: bool = False
+    """It reads a Commit's scope in packed form (`GetStatusResponse.accepts_packed_scope`)."""
 
     @property
     def label(self) -> str:
@@ -55,5 +57,5 @@ class Member:
             return self.name
         return f"{self.name}#{self.endpoint_id}"
 
-    def of_kind(self, kind: Kind) -> Member:
-        return dataclasses.replace(self, kind=kind)
+    def of_kind(self, kind: Kind, *, packed_scope: bool = False) -> Member:
+        return dataclasses.replace(self, kind=kind, packed_scope=packed_scope)

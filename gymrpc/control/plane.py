@@ -608,7 +608,7 @@ class ControlPlane:
             return False
 
     async def _reopen(self, checkpoint_id: str) -> None:
-        collection.release(self)  # held since a background commit (`gymrpc.control.collection`)
+        collection.release_after_reply(self)  # held since a background commit (`gymrpc.control.collection`)
         if (captured := self._persisting.get(checkpoint_id)) is not None and captured.stage is _Stage.CAPTURED:
             # Its write goes on (the capture is the commit): on persist, or soon without one.
             asyncio.get_running_loop().call_later(WRITE_AFTER_RESUME, self._start_captured, captured)

@@ -227,6 +227,7 @@ class GetStatusResponse(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     DETAILS_FIELD_NUMBER: _builtins.int
     ENDPOINT_ID_FIELD_NUMBER: _builtins.int
+    ACCEPTS_PACKED_SCOPE_FIELD_NUMBER: _builtins.int
     kind: Global___ParticipantKind.ValueType
     """Participant kind."""
     name: _builtins.str
@@ -240,6 +241,12 @@ class GetStatusResponse(_message.Message):
     endpoint_id: _builtins.str
     """Replica id behind `name` (`RegistryService` endpoint id; `0` without
     replicas).
+    """
+    accepts_packed_scope: _builtins.bool
+    """This participant reads a Commit's scope from `scope_rollout_ids` and
+    `scope_attempts` (`CommitRequest`). A controller sends that form only to
+    participants that say so: one that does not know those fields would read
+    an explicit scope sent that way as empty and store no episode.
     """
     @_builtins.property
     def lease_expire_time(self) -> _timestamp_pb2.Timestamp:
@@ -275,10 +282,11 @@ class GetStatusResponse(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         details: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         endpoint_id: _builtins.str = ...,
+        accepts_packed_scope: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expire_time", b"lease_expire_time", "report", b"report", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "details", b"details", "endpoint_id", b"endpoint_id", "kind", b"kind", "lease_expire_time", b"lease_expire_time", "name", b"name", "phase", b"phase", "pid", b"pid", "report", b"report", "retired", b"retired", "start_time", b"start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_packed_scope", b"accepts_packed_scope", "checkpoint_id", b"checkpoint_id", "details", b"details", "endpoint_id", b"endpoint_id", "kind", b"kind", "lease_expire_time", b"lease_expire_time", "name", b"name", "phase", b"phase", "pid", b"pid", "report", b"report", "retired", b"retired", "start_time", b"start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -406,6 +414,8 @@ class CommitRequest(_message.Message):
     EXPLICIT_SCOPE_FIELD_NUMBER: _builtins.int
     PERSIST_IN_BACKGROUND_FIELD_NUMBER: _builtins.int
     BASE_CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
+    SCOPE_ROLLOUT_IDS_FIELD_NUMBER: _builtins.int
+    SCOPE_ATTEMPTS_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """Prepared checkpoint."""
     checkpoint_dir: _builtins.str
@@ -441,6 +451,20 @@ class CommitRequest(_message.Message):
         deleted. With `explicit_scope` unset, empty means every parked episode.
         """
 
+    @_builtins.property
+    def scope_rollout_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The scope in packed form, for thousands of episodes in flight (it costs
+        far less to build and to read than one `EpisodeId` message each): episode
+        i is (`scope_rollout_ids[i]`, `scope_attempts[i]`), with the meaning of
+        `episode_ids` (set `explicit_scope` too). Send it only to participants
+        whose `GetStatusResponse.accepts_packed_scope` is set. A request that
+        sets both forms, or lists of different lengths, is INVALID_ARGUMENT.
+        """
+
+    @_builtins.property
+    def scope_attempts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Attempt of each `scope_rollout_ids` entry, in the same order (packed)."""
+
     def __init__(
         self,
         *,
@@ -452,10 +476,12 @@ class CommitRequest(_message.Message):
         explicit_scope: _builtins.bool = ...,
         persist_in_background: _builtins.bool = ...,
         base_checkpoint_dir: _builtins.str = ...,
+        scope_rollout_ids: _abc.Iterable[_builtins.str] | None = ...,
+        scope_attempts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_checkpoint_dir", b"base_checkpoint_dir", "checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "episode_ids", b"episode_ids", "explicit_scope", b"explicit_scope", "persist_in_background", b"persist_in_background", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_checkpoint_dir", b"base_checkpoint_dir", "checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "episode_ids", b"episode_ids", "explicit_scope", b"explicit_scope", "persist_in_background", b"persist_in_background", "scope_attempts", b"scope_attempts", "scope_rollout_ids", b"scope_rollout_ids", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -412,3 +412,42 @@ def _flip(path: Path) -> None:
 def _truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 3])
+
+
+def _malformed_scopes(root: str) -> list[tuple[pb.CommitRequest, str]]:
+    """Commits of c1 whose scope is malformed, each with what its error must say."""
+
+    def commit(**scope: Any) -> pb.CommitRequest:
+        return pb.CommitRequest(checkpoint_id="c1", deadline=soon(), checkpoint_dir=root, explicit_scope=True, **scope)
+
+    return [
+        (commit(episode_ids=[E0.to_pb()], scope_rollout_ids=["e0"], scope_attempts=[0]), "set twice"),
+        (commit(scope_rollout_ids=["e0", "e1"], scope_attempts=[0]), "scope_attempts has 1"),
+        (commit(scope_attempts=[0]), "scope_rollout_ids has 0 entries"),
+        (commit(scope_rollout_ids=["e0", "../e1"], scope_attempts=[0, 0]), "scope_rollout_ids[1] '../e1'"),
+        (commit(scope_rollout_ids=["e0", "e1\ne2"], scope_attempts=[0, 0]), "scope_rollout_ids[1]"),
+        (commit(scope_rollout_ids=["e0", "e1"], scope_attempts=[0, 2**32 - 1]), "scope_attempts[1] 4294967295"),
+    ]
+
+
+def test_a_malformed_packed_scope_is_refused_with_a_reason_and_changes_nothing(tmp_path: Path) -> None:
+    async def main() -> None:
+        deployment = await Deployment.start(NAMES)
+        raw = Raw(deployment)
+        root = str(tmp_path / "ckpt")
+        try:
+            assert (await deployment.controller.prepare("c1", timeout=10)).prepared
+            for name in NAMES:
+                for request, says in _malformed_scopes(root):
+                    files, before = tree(tmp_path), await state(deployment)
+                    await raw.refused(name, "Commit", request, INVALID, "INVALID_REQUEST", says=says)
+                    assert tree(tmp_path) == files, f"{says}: files changed"
+                    assert await state(deployment) == before, f"{says}: {name} changed"
+            manifests = await deployment.controller.commit("c1", root, [E0])  # still prepared: commits
+            assert sorted(manifests) == sorted(NAMES)
+            await deployment.controller.resume("c1")
+        finally:
+            await raw.close()
+            await deployment.close()
+
+    run(main())

@@ -22,14 +22,16 @@ def test_quick_control_bench_reports_figures(tmp_path: Path) -> None:
     assert 0 < figures["prepare_rpc_ms"]["p50"] <= figures["prepare_rpc_ms"]["p99"]
     staged = figures["prepare_staged_ms"]
     assert 0 < staged["p50"] <= staged["p99"] <= staged["max"]
-    for mode in ("stop", "nonstop"):  # parked, then published: never the other way round
+    for mode in ("stop", "nonstop", "nonstop-messages"):  # parked, then published: never the other way round
         commit = figures["commit_ms"][mode]
         assert commit["n"] == 2
         assert commit["parked_median"] > 0
         assert 0 < commit["publish_median"] <= commit["publish_max"]
     assert "commit, non-stop" in stdout
     assert "commit to publish median" in stdout
-    assert 0 < figures["capture_ms_summed"]["median"] <= figures["capture_ms_summed"]["max"]
+    for mode in ("nonstop", "nonstop-messages"):
+        assert 0 < figures["capture_ms_summed"][mode]["median"] <= figures["capture_ms_summed"][mode]["max"]
+    assert "packed scope over one EpisodeId message per episode" in stdout
     assert figures["restore_ms"] > 0
     assert set(figures["bytes_per_episode_by_kind"]) == {"agent", "model", "resources"}
     assert all(v > 0 for v in figures["bytes_per_episode_by_kind"].values())

@@ -166,6 +166,28 @@ def test_the_collector_is_held_until_the_last_holder_releases_it_and_left_as_fou
     assert not collection.held()
 
 
+def test_a_resume_lets_the_collector_go_after_its_reply() -> None:
+    async def main() -> None:
+        holder = object()
+        collection.hold(holder)
+        collection.release_after_reply(holder)
+        assert collection.held()
+        assert not gc.isenabled()
+        await collection.released(holder)
+        assert not collection.held()
+        assert gc.isenabled()
+        collection.hold(holder)
+        collection.release_after_reply(holder)
+        collection.hold(holder)  # the next commit came first: the hold goes on
+        await collection.released(holder)
+        assert collection.held()
+        assert not gc.isenabled()
+        collection.release(holder)
+        assert gc.isenabled()
+
+    asyncio.run(main())
+
+
 def test_a_non_stop_commit_holds_the_collector_until_its_resume(tmp_path: Path) -> None:
     async def main() -> None:
         deployment: Deployment = await seeded()
@@ -175,6 +197,8 @@ def test_a_non_stop_commit_holds_the_collector_until_its_resume(tmp_path: Path) 
             captured = await controller.capture("c1", tmp_path / "c1", EPISODES, timeout=WAIT)
             assert collection.held()  # the episodes wait: no full collection now
             await controller.resume("c1")
+            for node in deployment.nodes.values():  # let go once the resume's reply is on its way
+                await collection.released(node.plane)
             assert not collection.held()
             assert gc.isenabled()
             await controller.publish(captured)
@@ -184,6 +208,16 @@ def test_a_non_stop_commit_holds_the_collector_until_its_resume(tmp_path: Path) 
             assert not collection.held()
             await controller.resume("c2")
             assert not collection.held()
+            assert (await controller.prepare("c3", timeout=WAIT)).prepared
+            await controller.capture("c3", tmp_path / "c3", EPISODES, timeout=WAIT)
+            await controller.resume("c3")
+            assert (await controller.prepare("c4", timeout=WAIT)).prepared
+            captured = await controller.capture("c4", tmp_path / "c4", EPISODES, timeout=WAIT)
+            for node in deployment.nodes.values():  # held for this commit, whenever c3's release came
+                await collection.released(node.plane)
+            assert collection.held()
+            await controller.resume("c4")
+            await controller.publish(captured)
         finally:
             await deployment.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -22,9 +23,11 @@ import pytest
 
 from gymrpc.control import EpisodeKey, Kind, store
 from gymrpc.control.index import INDEX, read_index
+from gymrpc.control.types import packed_scope
 from gymrpc.controller import CoordinationError
-from gymrpc.errors import FailedPrecondition
+from gymrpc.errors import FailedPrecondition, InvalidArgument
 from gymrpc.pbtime import timestamp
+from gymrpc.servers.participant import ParticipantServicer, commit_scope
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import participant_service_pb2 as pb
 from gymrpc.v1 import resources_service_pb2 as res_pb
@@ -243,5 +246,69 @@ def test_a_failed_background_write_is_reported_then_retried_from_the_same_captur
 
         async with restored(tmp_path / "c1") as fresh:
             assert await counter(fresh, "resources/r0", EPISODES[0].next()) == 1  # the capture's, not 2
+
+    asyncio.run(main())
+
+
+def test_both_scope_forms_decode_to_the_same_scope() -> None:
+    episodes = [EpisodeKey("e0", 0), EpisodeKey("r.1_x-2", 7), EpisodeKey("e0", 0)]
+    messages = pb.CommitRequest(episode_ids=[e.to_pb() for e in episodes], explicit_scope=True)
+    rollout_ids, attempts = packed_scope(episodes)
+    packed = pb.CommitRequest(scope_rollout_ids=rollout_ids, scope_attempts=attempts, explicit_scope=True)
+    wire = [pb.CommitRequest.FromString(r.SerializeToString()) for r in (messages, packed)]
+    scopes = [commit_scope(r) for r in wire]
+    assert scopes[0] == scopes[1] == frozenset(episodes)
+    assert {type(e) for e in scopes[1]} == {EpisodeKey}  # participants read `.rollout_id` off them
+    assert commit_scope(pb.CommitRequest(explicit_scope=True)) == frozenset()  # continues none
+    assert commit_scope(pb.CommitRequest()) is None  # the older meaning: every parked episode
+    # The one-pass id check joins ids with newlines: an id holding one must not pass as two.
+    for request in (
+        pb.CommitRequest(episode_ids=[common_pb2.EpisodeId(rollout_id="e0"), common_pb2.EpisodeId(rollout_id="a\nb")]),
+        pb.CommitRequest(scope_rollout_ids=["e0", "a\nb"], scope_attempts=[0, 0]),
+    ):
+        with pytest.raises(InvalidArgument, match=r"(episode_ids|scope_rollout_ids)\[1\]"):
+            commit_scope(request)
+
+
+@pytest.mark.parametrize("form", ["packed", "messages", "mixed"])
+def test_a_non_stop_checkpoint_restores_exactly_through_either_scope_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """Controllers send the packed scope to participants that say they read it, `episode_ids` to others."""
+    seen: dict[str, tuple[list[str], list[int], list[EpisodeKey]]] = {}
+    real = ParticipantServicer.Commit
+
+    async def commit(self: ParticipantServicer, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+        keys = [EpisodeKey.of(e) for e in request.episode_ids]
+        seen[self.plane.name] = (list(request.scope_rollout_ids), list(request.scope_attempts), keys)
+        return await real(self, request, context)
+
+    monkeypatch.setattr(ParticipantServicer, "Commit", commit)
+    older = {"packed": set(), "messages": set(NAMES), "mixed": {"model/m0", "resources/r1"}}[form]
+
+    async def main() -> None:
+        deployment = await seeded()
+        controller = deployment.controller
+        try:
+            members = await controller.discover()
+            assert all(m.packed_scope for m in members)  # every participant here says it reads it
+            controller.members = [dataclasses.replace(m, packed_scope=m.name not in older) for m in members]
+            result = await controller.checkpoint(tmp_path, episode_ids=EPISODES, checkpoint_id="c1", timeout=WAIT)
+            assert result.committed
+            for name in NAMES:
+                expected = ([], [], EPISODES) if name in older else (["e0", "e1"], [0, 0], [])
+                assert seen[name] == expected, name
+            for i, episode in enumerate(EPISODES):  # after the capture: not in the checkpoint
+                await deployment.increment(f"resources/r{i}", episode, "call-1")
+        finally:
+            await deployment.close()
+
+        async with restored(tmp_path / "c1") as fresh:
+            for i, episode in enumerate(EPISODES):
+                assert await counter(fresh, f"resources/r{i}", episode.next()) == 1
+            agent = fresh.nodes["agent/a"].participant
+            assert sorted(agent.installed) == sorted(e.next() for e in EPISODES)
+        for record in store.read_checkpoint(tmp_path / "c1", Kind.MODEL, "model/m0")[1]:
+            assert len(record.model_episode.rows) == 1
 
     asyncio.run(main())

@@ -69,8 +69,9 @@ export function memberLabel(name, endpointId, replicas = 1) {
 export class Controller {
   /**
    * @param {import("./client.js").GymClient} client
-   * @param {{name: string, kind: ParticipantKind, endpointId?: string, replicas?: number}[]} participants
-   *   members; without `endpointId` a member is reached by name (its first endpoint)
+   * @param {{name: string, kind: ParticipantKind, endpointId?: string, replicas?: number, packedScope?: boolean}[]} participants
+   *   members; without `endpointId` a member is reached by name (its first endpoint); `packedScope`:
+   *   it reads a Commit's packed scope (`GetStatusResponse.acceptsPackedScope`, as `discover` finds)
    * @param {{prefix?: string}} [options] set by `discover`: a restore discovers again with it
    */
   constructor(client, participants, { prefix } = {}) {
@@ -135,14 +136,22 @@ export class Controller {
     const request = {
       checkpointId,
       checkpointDir: path.resolve(checkpointDir),
-      episodeIds: episodeIds ?? [],
       explicitScope: episodeIds !== undefined,
       stop,
       persistInBackground: background,
       deadline: timestampFromMs(deadlineMs),
     };
-    const replies = await this.#all("commit", this.participants, (stub) =>
-      stub.commit(request, callOptions(deadlineMs)),
+    // The packed scope (two flat lists, not a message per episode) goes to members whose GetStatus
+    // says they read it; an older participant would take it for an empty scope.
+    const episodes = episodeIds ?? [];
+    const packed = {
+      ...request,
+      scopeRolloutIds: episodes.map((e) => e.rolloutId),
+      scopeAttempts: episodes.map((e) => e.attempt ?? 0),
+    };
+    const messages = { ...request, episodeIds: episodes };
+    const replies = await this.#all("commit", this.participants, (stub, p) =>
+      stub.commit(p.packedScope ? packed : messages, callOptions(deadlineMs)),
     );
     return { checkpointId, checkpointDir: request.checkpointDir, replies };
   }
@@ -373,7 +382,12 @@ async function discoverMembers(client, prefix) {
   );
   for (const [label, err] of failures) if (err.code === Code.Unimplemented) failures.delete(label);
   if (failures.size) throw new CoordinationError("discover", failures);
-  return targets.filter((t) => replies.has(labelOf(t))).map((t) => ({ ...t, kind: replies.get(labelOf(t)).kind }));
+  return targets
+    .filter((t) => replies.has(labelOf(t)))
+    .map((t) => {
+      const reply = replies.get(labelOf(t));
+      return { ...t, kind: reply.kind, packedScope: reply.acceptsPackedScope };
+    });
 }
 
 /** Prepare order, then name, then endpoint id; each member gets its `label`. */

@@ -38,7 +38,8 @@ const newRoot = () => path.join(ROOT, `root-${folders++}`);
  * A GymClient stand-in: every participant (replica) records its calls by label; `fail[op][label]`
  * makes one throw; `replicas[name]` registers that many replicas of a name. A commit writes the
  * manifest file, as a participant does; with `background`, a commit asked to persist in the
- * background only captures (`persisting`), and `Persist` writes it.
+ * background only captures (`persisting`), and `Persist` writes it. The names in `packed` say (GetStatus)
+ * that they read a Commit's packed scope.
  */
 function fakeClient({
   fail = {},
@@ -47,6 +48,7 @@ function fakeClient({
   extra = {},
   replicas = {},
   background = false,
+  packed = [],
 } = {}) {
   const calls = [];
   const captures = new Map(); // label -> the commit request a background commit captured
@@ -87,7 +89,7 @@ function fakeClient({
       return { manifest: write(captured) };
     };
     return {
-      getStatus: call("status", { kind: kinds[name], phase: Phase.IDLE }),
+      getStatus: call("status", { kind: kinds[name], phase: Phase.IDLE, acceptsPackedScope: packed.includes(name) }),
       prepare: call("prepare", { phase, report }),
       commit: call("commit", commit),
       persist: call("persist", persist),
@@ -200,6 +202,27 @@ test("a checkpoint commits the episodes that can continue into <root>/<id>, inde
     ],
   );
   assert.equal(readIndex(result.checkpointDir).members.length, 4);
+});
+
+test("the commit scope goes packed to members that read it, as EpisodeId messages to the others", async () => {
+  const client = fakeClient({ packed: ["model/policy", "resources/counter"] });
+  const controller = await Controller.discover(client);
+  const result = await controller.checkpoint(newRoot(), {
+    checkpointId: "c1",
+    episodeIds: [episodeId("r1"), episodeId("r2", 3)],
+  });
+  assert.ok(result.committed);
+  const commits = requests(client.calls, "commit");
+  for (const label of ["model/policy", "resources/counter"]) {
+    const r = commits.get(label);
+    assert.deepEqual([r.scopeRolloutIds, r.scopeAttempts, r.episodeIds ?? []], [["r1", "r2"], [0, 3], []], label);
+    assert.ok(r.explicitScope);
+  }
+  for (const label of ["agent/counter", "resources/blackjack"]) {
+    const r = commits.get(label);
+    assert.deepEqual([r.scopeRolloutIds ?? [], r.episodeIds.map(key)], [[], ["r1/a0", "r2/a3"]], label);
+    assert.ok(r.explicitScope);
+  }
 });
 
 test("a non-stop checkpoint resumes right after the capture, then persists and indexes", async () => {

@@ -157,6 +157,16 @@ export declare type GetStatusResponse = Message<"gymrpc.v1.GetStatusResponse"> &
    * @generated from field: string endpoint_id = 11;
    */
   endpointId: string;
+
+  /**
+   * This participant reads a Commit's scope from `scope_rollout_ids` and
+   * `scope_attempts` (`CommitRequest`). A controller sends that form only to
+   * participants that say so: one that does not know those fields would read
+   * an explicit scope sent that way as empty and store no episode.
+   *
+   * @generated from field: bool accepts_packed_scope = 12;
+   */
+  acceptsPackedScope: boolean;
 };
 
 /**
@@ -338,6 +348,25 @@ export declare type CommitRequest = Message<"gymrpc.v1.CommitRequest"> & {
    * @generated from field: string base_checkpoint_dir = 8;
    */
   baseCheckpointDir: string;
+
+  /**
+   * The scope in packed form, for thousands of episodes in flight (it costs
+   * far less to build and to read than one `EpisodeId` message each): episode
+   * i is (`scope_rollout_ids[i]`, `scope_attempts[i]`), with the meaning of
+   * `episode_ids` (set `explicit_scope` too). Send it only to participants
+   * whose `GetStatusResponse.accepts_packed_scope` is set. A request that
+   * sets both forms, or lists of different lengths, is INVALID_ARGUMENT.
+   *
+   * @generated from field: repeated string scope_rollout_ids = 9;
+   */
+  scopeRolloutIds: string[];
+
+  /**
+   * Attempt of each `scope_rollout_ids` entry, in the same order (packed).
+   *
+   * @generated from field: repeated uint32 scope_attempts = 10;
+   */
+  scopeAttempts: number[];
 };
 
 /**
