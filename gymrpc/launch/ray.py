@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -305,8 +306,9 @@ class RayLauncher:
             here = ray.get_runtime_context().get_node_id()
             await self._start_hosts(ray, [(registry_spec, "0", self._strategy(ray, here), REGISTRY_ACTOR)], config)
             rundir.write_text_atomic(self.run_dir / rundir.REGISTRY_FILE, self.registry_address + "\n")
+            slots = itertools.count()  # every unpinned replica of the stack takes the next node in turn
             instances = [
-                (spec, endpoint_id, self._strategy(ray, spec.node), f"gymrpc:{spec.label(endpoint_id)}")
+                (spec, endpoint_id, self._strategy(ray, spec.node, next(slots)), f"gymrpc:{spec.label(endpoint_id)}")
                 for spec in self.spec.servers
                 for endpoint_id in spec.endpoint_ids()
             ]
@@ -358,13 +360,21 @@ class RayLauncher:
             probe.bind((ip, 0))
             return f"{ip}:{probe.getsockname()[1]}"
 
-    def _strategy(self, ray: Any, node: str | None) -> Any:
-        """Ray scheduling for a replica: pinned to `node` (an IP or node id), else spread over nodes."""
-        if node is None:
-            return "SPREAD"
+    def _strategy(self, ray: Any, node: str | None, slot: int = 0) -> Any:
+        """Ray scheduling for a replica: pinned to `node` (an IP or node id), else spread over nodes.
+
+        Ray's own `SPREAD` is best effort: replicas started together may still share a node. So the
+        stack's n-th unpinned replica prefers the n-th live node (round robin, softly: a node that is full
+        or lacks what the server requests lets it run elsewhere); one server's replicas cover the nodes.
+        """
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         nodes = _alive_nodes(ray)
+        if node is None:
+            ordered = sorted(nodes, key=lambda n: (str(n["NodeManagerAddress"]), str(n["NodeID"])))
+            if len(ordered) < 2:
+                return "SPREAD"
+            return NodeAffinitySchedulingStrategy(node_id=ordered[slot % len(ordered)]["NodeID"], soft=True)
         matches = [n["NodeID"] for n in nodes if node in (n["NodeID"], n["NodeManagerAddress"])]
         if len(matches) != 1:
             known = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:12]}…)" for n in nodes)

@@ -25,7 +25,7 @@ import grpc
 from gymrpc import tracing
 from gymrpc.errors import GymrpcError, from_rpc_error
 from gymrpc.pbtime import duration
-from gymrpc.servers.agent.state import EpisodeState, Phase
+from gymrpc.servers.agent.state import EpisodeState, Phase, caller_retries
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as model_pb
@@ -85,7 +85,8 @@ class EpisodeLoop:
         """Advance to COMPLETED, yielding the newest message (or None) at every boundary.
 
         If the episode fails or the consumer stops early after seeding, the session is closed
-        in the background (best effort) so the resources server does not keep it forever.
+        in the background (best effort) so the resources server does not keep it forever; a restored
+        episode whose caller will retry keeps it (`EpisodeState.keeps_session_for_retry`).
         """
         started, base = time.monotonic(), state.elapsed_s
         try:
@@ -93,8 +94,9 @@ class EpisodeLoop:
                 message = await self.advance(state)
                 state.elapsed_s = base + time.monotonic() - started
                 yield message
-        except BaseException:
-            if state.phase not in (Phase.NEW, Phase.COMPLETED):
+        except BaseException as exc:
+            kept = state.keeps_session_for_retry and caller_retries(exc)
+            if state.phase not in (Phase.NEW, Phase.COMPLETED) and not kept:
                 self.close_in_background(state)
             raise
 

@@ -36,7 +36,7 @@ from gymrpc.control import Capture, EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.errors import AlreadyExists, DataLoss, GymrpcError
 from gymrpc.pbtime import duration
 from gymrpc.servers.agent.checkpoint import check_running, new_record, record_boundary, restore_state
-from gymrpc.servers.agent.state import EpisodeState, Phase
+from gymrpc.servers.agent.state import EpisodeState, Phase, caller_retries
 from gymrpc.store import EpisodeCheckpoint
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
@@ -69,7 +69,7 @@ class AgentParticipant(Participant):
         self._moving: dict[EpisodeKey, _Live] = {}
         """The live episodes between boundaries (not standing at one, not parked): all readiness looks at."""
         self._restored: dict[EpisodeKey, EpisodeCheckpoint] = {}
-        """Restored records by the attempt that continues them, until a `Run` claims them."""
+        """Restored records by the attempt that continues them, until a `Run` that claims one ends well."""
         self.replay_verify = False
         """The resources server verifies in `replay` mode: a running verify does not block."""
         self.continued = 0
@@ -97,14 +97,20 @@ class AgentParticipant(Participant):
             restore_state(state, record, snapshot=False)
             tracing.link_previous(record.traceparent)
             state.resume_count += 1
+            state.keeps_session_for_retry = True
             self.continued += 1
         task = asyncio.current_task()
         self._live[key] = self._moving[key] = _Live(state, fingerprint, task)
         self.changed.notify()
         try:
             yield
-        except asyncio.CancelledError:
-            if task is None or not self.marks.is_retired(key):
+        except BaseException as exc:
+            if record is not None and caller_retries(exc) and not self.marks.is_retired(key):
+                # The caller sends the `Run` again (its connection broke, say): the retry continues from
+                # the restored boundary once more, in the session the loop kept open, and the calls it
+                # repeats return their first replies (de-duplication keys). Else it would start over.
+                self._restored.setdefault(key, record)
+            if not isinstance(exc, asyncio.CancelledError) or task is None or not self.marks.is_retired(key):
                 raise
             task.uncancel()
             self.marks.check(key)  # raises STALE_ATTEMPT

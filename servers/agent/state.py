@@ -11,10 +11,14 @@ downstream idempotency key matches the first attempt's.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 from dataclasses import dataclass, field
 
+import grpc
+
+from gymrpc.errors import GymrpcError
 from gymrpc.ids import ROLLOUT_ID
 from gymrpc.pbtime import duration
 from gymrpc.v1 import agent_service_pb2 as agent_pb
@@ -34,6 +38,14 @@ class Phase(enum.IntEnum):
     READY_FOR_TOOL = agent_pb.EPISODE_PHASE_READY_FOR_TOOL
     READY_FOR_VERIFY = agent_pb.EPISODE_PHASE_READY_FOR_VERIFY
     COMPLETED = agent_pb.EPISODE_PHASE_COMPLETED
+
+
+def caller_retries(exc: BaseException) -> bool:
+    """Whether a `Run` that ended with `exc` will be sent again with the same episode id: the caller
+    went away (its call was cancelled) or saw UNAVAILABLE (`Client.run` retries both)."""
+    return isinstance(exc, asyncio.CancelledError) or (
+        isinstance(exc, GymrpcError) and exc.code is grpc.StatusCode.UNAVAILABLE
+    )
 
 
 def session_id_for(rollout_id: str, attempt: int) -> str:
@@ -100,6 +112,9 @@ class EpisodeState:
     failovers_seen: int | None = None
     """This process's client count for the episode when last added to `failovers`; None until this
     process first looks (not checkpointed: counts of another process mean nothing here)."""
+    keeps_session_for_retry: bool = False
+    """Continued from a restored record: a `Run` the caller will retry (`caller_retries`) leaves the
+    session open and the record in place, so the retry continues the episode (not checkpointed)."""
 
     def __post_init__(self) -> None:
         if not ROLLOUT_ID.fullmatch(self.rollout_id):

@@ -129,33 +129,41 @@ def agent_records(folder: Path) -> list[rec_pb.CheckpointRecord]:
     return store_module.read_checkpoint(folder, Kind.AGENT, "agent/c")[1]
 
 
+async def checkpoint_mid_episode(tmp_path: Path) -> tuple[agent_pb.Trajectory, Path, EpisodeCheckpoint, int]:
+    """An uninterrupted run's trajectory, and episode `ep` checkpointed at its step-1 boundary, then killed.
+
+    Returns (reference trajectory, checkpoint folder, the agent's record, model calls made before the kill).
+    """
+    reference = Stack(GatedModel())
+    expected = await reference.run("ref")
+    await reference.close()
+
+    first = Stack(GatedModel(), tool_delay=0.2)
+    running = asyncio.ensure_future(first.run("ep"))
+    live = first.participant._live
+    await until(lambda: bool(live) and live[EpisodeKey("ep", 0)].state.step >= 1)
+    # The episode is in a slow tool call: it blocks until the call returns, then parks before Generate.
+    (phase, report), _ = await first.prepare("c1")
+    assert phase is Phase.PREPARED, report
+    assert first.participant.readiness().counts["parked"] == 1
+    folder = tmp_path / "c1"
+    await first.commit("c1", folder, frozenset({EpisodeKey("ep", 0)}))
+    [record] = agent_records(folder)
+    body = EpisodeCheckpoint()
+    assert record.other.Unpack(body)
+    assert body.phase == agent_pb.EPISODE_PHASE_READY_FOR_MODEL
+    assert (body.step, len(body.tool_calls), body.episode_id.attempt) == (1, 1, 0)
+    calls_before = len(first.model.calls)
+    running.cancel()  # the process dies
+    await asyncio.gather(running, return_exceptions=True)
+    await first.resume("c1")  # lets the cancelled episode's session close
+    await first.close()
+    return expected, folder, body, calls_before
+
+
 def test_episodes_park_export_and_continue_as_the_next_attempt_from_their_boundary(tmp_path: Path) -> None:
     async def main() -> None:
-        reference = Stack(GatedModel())
-        expected = await reference.run("ref")
-        await reference.close()
-
-        first = Stack(GatedModel(), tool_delay=0.2)
-        running = asyncio.ensure_future(first.run("ep"))
-        live = first.participant._live
-        await until(lambda: bool(live) and live[EpisodeKey("ep", 0)].state.step >= 1)
-        # The episode is in a slow tool call: it blocks until the call returns, then parks before Generate.
-        (phase, report), _ = await first.prepare("c1")
-        assert phase is Phase.PREPARED, report
-        assert first.participant.readiness().counts["parked"] == 1
-        folder = tmp_path / "c1"
-        await first.commit("c1", folder, frozenset({EpisodeKey("ep", 0)}))
-        [record] = agent_records(folder)
-        body = EpisodeCheckpoint()
-        assert record.other.Unpack(body)
-        assert body.phase == agent_pb.EPISODE_PHASE_READY_FOR_MODEL
-        assert (body.step, len(body.tool_calls), body.episode_id.attempt) == (1, 1, 0)
-        calls_before = len(first.model.calls)
-        running.cancel()  # the process dies
-        await asyncio.gather(running, return_exceptions=True)
-        await first.resume("c1")  # lets the cancelled episode's session close
-        await first.close()
-
+        expected, folder, body, calls_before = await checkpoint_mid_episode(tmp_path)
         second = Stack(GatedModel())
         restored = await second.restore("r1", folder, [EpisodeKey("ep", 0)])
         assert restored == [[EpisodeKey("ep", 1)], [EpisodeKey("ep", 1)]]
@@ -174,6 +182,35 @@ def test_episodes_park_export_and_continue_as_the_next_attempt_from_their_bounda
         assert len(second.model.calls) == len(expected.model_calls) - body.step  # no step was made twice
         assert calls_before == body.step
         assert seconds(trajectory.timing.parked) > 0
+        await second.close()
+
+    asyncio.run(main())
+
+
+def test_a_run_that_fails_after_claiming_its_restored_boundary_is_retried_from_that_boundary(tmp_path: Path) -> None:
+    """The client retries a `Run` whose connection broke: the retry continues the restored episode
+    (resume_count 1) instead of starting it over, and repeats the lost model call under the same key."""
+
+    async def main() -> None:
+        expected, folder, _, _ = await checkpoint_mid_episode(tmp_path)
+        model = GatedModel()
+        second = Stack(model)
+        await second.restore("r1", folder, [EpisodeKey("ep", 0)])
+        await second.resume("r1")
+        model.gate.clear()
+        broken = asyncio.ensure_future(second.run("ep", 1))
+        await until(lambda: bool(model.calls))  # claimed the restored record, inside its first Generate
+        assert second.participant.readiness().counts["restored_pending"] == 0
+        broken.cancel()  # the caller's connection broke
+        await asyncio.gather(broken, return_exceptions=True)
+        assert second.participant.readiness().counts["restored_pending"] == 1
+        model.gate.set()
+        trajectory = await second.run("ep", 1)
+        assert (trajectory.resume_count, trajectory.restart_count) == (1, 0)
+        assert trajectory.reward == expected.reward
+        assert len(trajectory.model_calls) == len(expected.model_calls)
+        assert model.calls[0] == model.calls[1]  # the lost call, asked again under its first key
+        assert second.participant.readiness().counts["restored_pending"] == 0
         await second.close()
 
     asyncio.run(main())

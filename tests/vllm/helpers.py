@@ -133,8 +133,9 @@ class VllmStack:
         raise TimeoutError(f"the stack did not get there in {timeout:.0f} s:\n{self.logs()}")
 
     def logs(self) -> str:
-        logs = sorted(self.run_dir.glob("*.log"))
-        return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in logs)
+        """The tails of the launcher's log and of every server's (`logs/`), for assertion messages."""
+        logs = sorted(self.run_dir.glob("*.log")) + sorted(self.run_dir.glob("logs/*.log"))
+        return "\n".join(f"== {p.relative_to(self.run_dir)}\n{p.read_text(errors='replace')[-4000:]}" for p in logs)
 
     def stop(self) -> None:
         if self.process.poll() is None:
