@@ -32,7 +32,7 @@ from gymrpc.channels import open_channel, service_channel_options
 from gymrpc.errors import GymrpcError
 from gymrpc.launch.base import ServerState
 from gymrpc.launch.spec import RestartPolicy, ServerSpec, StackSpec
-from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir, checkpoint_dirs
+from gymrpc.launch.storage import CheckpointDirError, check_checkpoint_dir, checkpoint_dirs, needs_ofd
 from gymrpc.registry import RegistryClient
 from gymrpc.tls import (
     TLS_DIR,
@@ -451,7 +451,7 @@ async def _check_dirs(spec: ServerSpec) -> None:
     """Refuse to start a server whose checkpoint folder it could not use (the folder is local here)."""
     for folder in checkpoint_dirs(spec.args):
         try:
-            await asyncio.to_thread(check_checkpoint_dir, folder)
+            await asyncio.to_thread(check_checkpoint_dir, folder, ofd=needs_ofd(spec.args))
         except CheckpointDirError as exc:
             raise StartError(f"{spec.name}: {exc}") from None
 

@@ -50,7 +50,14 @@ from gymrpc.launch.local import (
     write_stack_state,
 )
 from gymrpc.launch.spec import RayOptions, RestartPolicy, ServerSpec, StackSpec
-from gymrpc.launch.storage import CheckpointDirError, Marker, check_checkpoint_dir, checkpoint_dirs, write_marker
+from gymrpc.launch.storage import (
+    CheckpointDirError,
+    Marker,
+    check_checkpoint_dir,
+    checkpoint_dirs,
+    needs_ofd,
+    write_marker,
+)
 from gymrpc.registry import RegistryClient
 from gymrpc.tls import StackPki, TlsFiles, write_private
 
@@ -173,7 +180,9 @@ class ServerHost:
             registry = RegistryClient(self.config.registry_address, token=self.config.token, tls=self._client_tls)
         try:
             for folder in checkpoint_dirs(self.spec.args):
-                kind = await asyncio.to_thread(check_checkpoint_dir, folder, marker=self.config.markers.get(folder))
+                kind = await asyncio.to_thread(
+                    check_checkpoint_dir, folder, marker=self.config.markers.get(folder), ofd=needs_ofd(self.spec.args)
+                )
                 log.info("checkpoint folder usable", extra={"service": self.label, "folder": folder, "fs": kind})
             self._process = ServerProcess(self.spec, self.endpoint_id, self._config, registry)
             self._process.state.node = self.node_ip

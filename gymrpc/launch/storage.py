@@ -2,12 +2,13 @@
 
 Durable resume (`--resume-dir`) and coordinated checkpoints write with the classic sequence:
 create a temp file, fsync it, rename it over the target, fsync the folder; per-episode leases
-take `flock` on a lock file. On a cluster the folder must also be the *same* folder on every
+are OFD byte-range locks (`F_OFD_SETLK`, the log store) or `flock` on a lock file (the files
+store). On a cluster the folder must also be the *same* folder on every
 node, or an episode resumed on another node finds nothing to resume. `check_checkpoint_dir`
 runs that sequence once, in the folder, from the process (and so the node) that will use it, and
 fails with the step that did not work. Given the launcher's marker it also proves the folder is
 shared with the launcher rather than a node-local folder of the same name, and that `flock`
-reaches across nodes (the launcher holds a lock on the marker; taking it here must fail).
+and OFD locks reach across nodes (the launcher holds both on the marker; taking them here must fail).
 docs/ray.md says what each filesystem guarantees.
 """
 
@@ -23,16 +24,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gymrpc.store import ranges
+
 CHECKPOINT_ARGS = ("resume_dir",)
 """Server options (`args:` keys) that name a checkpoint folder the launcher checks before starting it."""
 MARKER_PREFIX = ".gymrpc-marker-"
+MARKER_BYTE = ranges.SPAN - 2
+"""The byte of the marker the launcher holds an OFD read lock on (high, as the leases' bytes)."""
 
 
 class CheckpointDirError(RuntimeError):
     """The folder cannot hold checkpoints from here; the message names the folder, the host and the step."""
 
 
-def check_checkpoint_dir(path: str | Path, *, marker: tuple[str, str] | None = None) -> str:
+def check_checkpoint_dir(path: str | Path, *, marker: tuple[str, str] | None = None, ofd: bool = True) -> str:
     """Create `path` if needed and prove, from this process, every file operation checkpoints rely on.
 
     Args:
@@ -40,6 +45,8 @@ def check_checkpoint_dir(path: str | Path, *, marker: tuple[str, str] | None = N
         marker: `Marker.proof` of the marker `write_marker` left (and locked) in the folder on the
             launcher's node; when given, this node must read the same content there (the folder
             is shared) and must not get the lock the launcher holds (locks are shared too).
+        ofd: also prove OFD byte-range locks work (the log store's leases; `--resume-store files`
+            needs only flock).
 
     Returns the filesystem type (`ext4`, `nfs4`, ...), for the launcher's log.
     Raises CheckpointDirError naming the step that failed.
@@ -57,7 +64,7 @@ def check_checkpoint_dir(path: str | Path, *, marker: tuple[str, str] | None = N
             if seen != content:
                 raise CheckpointDirError(f"{where}: the marker {name} holds other content: a different folder")
             step = "test the launcher's lock on the marker"
-            _expect_locked(folder / name, where)
+            _expect_locked(folder / name, where, ofd=ofd)
         step = "write and fsync a file"
         data = secrets.token_bytes(64)
         temp = probe.with_name(probe.name + ".tmp")
@@ -83,6 +90,16 @@ def check_checkpoint_dir(path: str | Path, *, marker: tuple[str, str] | None = N
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(fd)
+        if ofd:
+            step = "lock a byte range with OFD locks (F_OFD_SETLK: the log store's per-episode leases)"
+            try:
+                ranges.check(folder)
+            except (OSError, RuntimeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                raise CheckpointDirError(
+                    f"{where}: cannot {step}: {reason}. This filesystem (or kernel) does not give the log store's "
+                    "leases; run the agent with --resume-store files here (one flock lock file per episode)"
+                ) from exc
         step = "delete it"
         probe.unlink()
     except CheckpointDirError:
@@ -132,13 +149,21 @@ def write_marker(path: str | Path) -> Marker:
     os.replace(temp, folder / name)
     fd = os.open(folder / name, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with contextlib.suppress(OSError):  # where OFD locks do not work, the node's check says so
+        ranges.try_lock(fd, MARKER_BYTE, fcntl.F_RDLCK)
     return Marker(folder, name, content, fd)
 
 
-def _expect_locked(path: Path, where: str) -> None:
-    """The launcher holds flock on `path`: taking it here must fail, or locks do not reach across nodes."""
+def _expect_locked(path: Path, where: str, *, ofd: bool = True) -> None:
+    """The launcher holds flock (and an OFD lock) on `path`: here they must show, or locks do not reach across nodes."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        if ofd and not ranges.held_elsewhere(fd, MARKER_BYTE):
+            raise CheckpointDirError(
+                f"{where}: OFD locks here do not see the launcher's lock on the same file, so the log store's "
+                "per-episode leases would not keep two servers off one episode (NFS mounted with local_lock=posix "
+                "or nolock?); run the agents with --resume-store files if flock reaches across nodes"
+            )
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return
@@ -168,3 +193,8 @@ def filesystem_type(path: Path) -> str:
 def checkpoint_dirs(args: Mapping[str, Any]) -> list[str]:
     """The checkpoint folders a server's options name."""
     return [str(args[key]) for key in CHECKPOINT_ARGS if args.get(key)]
+
+
+def needs_ofd(args: Mapping[str, Any]) -> bool:
+    """Whether a server's episode store takes OFD leases (the log store, the agent's default)."""
+    return str(args.get("resume_store", "log")) == "log"

@@ -33,7 +33,7 @@ from google.protobuf import timestamp_pb2
 
 from gymrpc.errors import Aborted, FailedPrecondition, GymrpcError, InvalidArgument
 from gymrpc.ids import check_id
-from gymrpc.store import codec
+from gymrpc.store import codec, ranges
 from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore
 from gymrpc.store.commit import CommitStats, GroupCommitter, SyncMode
 
@@ -92,6 +92,12 @@ class FilesystemEpisodeStore(EpisodeStore):
         self.root = Path(root).absolute()
         self.episodes, self.archive_dir = self.root / "episodes", self.root / "archive"
         self.lease_retry_delay = lease_retry_delay
+        if (self.root / "logs" / ranges.MARKER).exists():
+            raise FailedPrecondition(
+                f"{self.root} is the folder of a log store (--resume-store log) whose leases this store would not "
+                "see, and whose records it would not read: run the log store on it, or give this store another folder",
+                metadata={"path": str(self.root)},
+            )
         self._create_folders()
         self.committer = committer or GroupCommitter(sync=sync, root=self.root)
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="store-io")

@@ -1,9 +1,10 @@
 """`LogEpisodeStore`: every episode's boundaries appended to one group-committed log per agent process.
 
-Layout (the lease files and archive as in `files`, so both stores can share a folder):
+Layout (`k` = sha256 of the rollout id; the archive and legacy records as in `files`):
 
-    root/episodes/<k[:2]>/<k>.lock      the episode's lease: flock(LOCK_EX)
-    root/logs/<log id>/owner.lock       held (flock) by the process appending to the log
+    root/leases.lock                    the episodes' leases: an OFD lock on byte `ranges.offset(k)`
+    root/logs/<log id>/owner.lock       held (flock, and an OFD lock on byte 0) by the process appending to the log
+    root/logs/<SCHEME>/owner.lock/      a folder, not a file: the format marker (see below)
     root/logs/<log id>/<seq>.seg        the log's segments (`frames`), oldest first
     root/archive/<k>.<UTC time>.<reason>.ckpt   archived records (the `codec` file format)
 
@@ -13,7 +14,7 @@ pending frame plus a COMMIT frame with one `write` and makes them durable with o
 `fdatasync`, then wakes every waiter: one fsync per batch, not per boundary. A process
 adopts a log whose owner died (its lock is free) or starts a new one; an adopted log is
 scanned, its torn tail cut off. Several agent processes can share the folder (replicas):
-an episode's lease is the kernel's flock as before, and its record is its highest-version
+an episode's lease is an OFD byte-range lock (`ranges`: no file per episode), and its record is its highest-version
 write in any log of the folder, so a replica that takes an episode over reads it from the
 other process's log (tailed incrementally) and writes it on in its own. When a log's bytes
 outgrow its live records, the commit thread writes the live records into a new segment
@@ -22,6 +23,13 @@ crash at any byte leaves either the old segments or the complete new one.
 
 Records written by `FilesystemEpisodeStore` (root/episodes/*/*.ckpt) are read too, so an
 existing folder keeps its episodes when the store changes.
+
+Format 2 (OFD leases; format 1 took a flock on a lock file per episode): agents of the two
+formats would not exclude each other, so neither may run beside the other. A format-2 store
+creates `logs/<SCHEME>/owner.lock` as a folder: a format-1 agent, which opens the first
+`owner.lock` it lists (the name sorts first), fails at start on it with EISDIR and the
+marker's name in the message. A format-2 store refuses to start while a format-1 agent is
+alive on the folder: a log whose owner lock is held without the OFD lock on its byte 0.
 """
 
 from __future__ import annotations
@@ -50,14 +58,15 @@ from google.protobuf.message import DecodeError
 
 from gymrpc.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 from gymrpc.ids import check_id
-from gymrpc.store import codec, fields, frames
+from gymrpc.store import codec, fields, frames, ranges
 from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore
 from gymrpc.store.commit import CommitStats
-from gymrpc.store.files import REASON, LeaseHeld, _fsync_folder, _lock, _read, _read_header, _sweep, _unlink
+from gymrpc.store.files import REASON, _fsync_folder, _read, _read_header, _sweep, _unlink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 OWNER = "owner.lock"
+SCHEME = ranges.MARKER
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
@@ -176,22 +185,22 @@ class _Source:
 
 
 class LogLease(EpisodeLease):
-    def __init__(self, store: LogEpisodeStore, rollout_id: str, lock: Path, fd: int, source: _Source) -> None:
-        self.store, self.rollout_id, self.lock, self.source = store, rollout_id, lock, source
-        self._fd: int | None = fd
+    def __init__(self, store: LogEpisodeStore, rollout_id: str, offset: int, source: _Source) -> None:
+        self.store, self.rollout_id, self.offset, self.source = store, rollout_id, offset, source
+        self._held = True
         self.base: fields.Values | None = None
         """The fields of the stored record when it is the latest frame in this process's log (a delta's base)."""
         self.deltas = 0
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._held
 
     async def release(self) -> None:
-        fd, self._fd = self._fd, None
+        held, self._held = self._held, False
         self.base = None
-        if fd is not None:
-            await self.store._io(os.close, fd)  # drops the flock; off the event loop (it can take a while)
+        if held:
+            self.store.leases.release(self.offset)  # one non-blocking fcntl: no trip to the I/O threads
 
 
 @dataclass
@@ -234,7 +243,13 @@ class LogEpisodeStore(EpisodeStore):
         self.compact_min_bytes, self.compact_ratio = compact_min_bytes, compact_ratio
         self.stats = LogStats()
         _create_folders(self.root, self.episodes, self.archive_dir, self.logs)
-        self.folder, self._owner_fd = self._adopt_or_create()
+        self._claim_format()
+        self.leases = ranges.RangeLocks(self.root / ranges.LOCK_FILE)
+        try:
+            self.folder, self._owner_fd = self._adopt_or_create()
+        except BaseException:
+            self.leases.close()
+            raise
         self.index = frames.LogIndex()
         self._fds: dict[int, int] = {}
         self._bytes = self._next_check = 0
@@ -251,13 +266,48 @@ class LogEpisodeStore(EpisodeStore):
 
     # -- opening -----------------------------------------------------------------------------
 
+    def _claim_format(self) -> None:
+        """Mark the folder format 2, then refuse it if a format-1 agent is alive on it (see the module doc)."""
+        marker = self.logs / SCHEME / OWNER
+        if not marker.is_dir():
+            marker.mkdir(parents=True, exist_ok=True)
+            _fsync_folder(marker.parent)
+            _fsync_folder(self.logs)
+        for name in _log_names(self.logs):
+            try:
+                fd = os.open(self.logs / name / OWNER, os.O_RDWR | os.O_CLOEXEC)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    continue  # its owner is gone
+                except BlockingIOError:
+                    pass
+                if not ranges.held_elsewhere(fd, 0):
+                    raise FailedPrecondition(
+                        f"an agent of an older version (format 1: a lock file per episode) is appending to the log "
+                        f"{self.logs / name} in {self.root}; agents of the two formats would not keep each other off "
+                        "an episode: stop it (or upgrade it) before starting this one",
+                        metadata={"path": str(self.logs / name)},
+                    )
+            finally:
+                os.close(fd)
+
     def _adopt_or_create(self) -> tuple[Path, int]:
-        """A log whose owner is gone (its flock is free), else a new one; its owner lock, held."""
-        for name in sorted(os.listdir(self.logs)):
+        """A log whose owner is gone (its locks are free), else a new one; its owner locks, held.
+
+        The OFD lock on byte 0 is taken before the flock and released after it, so whoever
+        sees the flock of a format-2 owner held also sees its OFD lock (`_claim_format`).
+        """
+        for name in _log_names(self.logs):
             folder = self.logs / name
             try:
                 fd = os.open(folder / OWNER, os.O_RDWR | os.O_CLOEXEC)
-            except (FileNotFoundError, NotADirectoryError):
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                continue
+            if not ranges.try_lock(fd, 0):
+                os.close(fd)
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -270,6 +320,8 @@ class LogEpisodeStore(EpisodeStore):
         temp = self.logs / f".{folder.name}.new"
         temp.mkdir()
         fd = os.open(temp / OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not ranges.try_lock(fd, 0):
+            raise RuntimeError(f"a new log's owner lock {temp / OWNER} is locked by someone else")
         fcntl.flock(fd, fcntl.LOCK_EX)
         _fsync_folder(temp)
         os.rename(temp, folder)  # a log folder appears whole, owner lock included
@@ -331,10 +383,10 @@ class LogEpisodeStore(EpisodeStore):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _lock_path(self, rollout_id: str) -> tuple[str, Path, Path]:
+    def _paths(self, rollout_id: str) -> tuple[str, Path]:
+        """The episode's key and where `FilesystemEpisodeStore` keeps (kept) its record."""
         key = hashlib.sha256(check_id(rollout_id, "episode_id.rollout_id").encode()).hexdigest()
-        shard = self.episodes / key[:2]
-        return key, shard / f"{key}.lock", shard / f"{key}.ckpt"
+        return key, self.episodes / key[:2] / f"{key}.ckpt"
 
     async def _io(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -347,7 +399,7 @@ class LogEpisodeStore(EpisodeStore):
         with self._views_lock:
             for name in os.listdir(self.logs):
                 folder = self.logs / name
-                if name.startswith(".") or folder == self.folder or name in self._views:
+                if name.startswith((".", "!")) or folder == self.folder or name in self._views:
                     continue
                 self._views[name] = LogView(folder)
             for view in self._views.values():
@@ -378,26 +430,23 @@ class LogEpisodeStore(EpisodeStore):
     # -- leases ------------------------------------------------------------------------------
 
     async def acquire(self, rollout_id: str) -> LogLease:
-        _key, lock, legacy = self._lock_path(rollout_id)
-        try:
-            fd, source = await self._io(self._take, rollout_id, lock, legacy)
-        except LeaseHeld:
+        key, legacy = self._paths(rollout_id)
+        if self._closed:
+            raise RuntimeError("the store is closed")
+        at = ranges.offset(key)
+        if not self.leases.take(at):  # one non-blocking fcntl, here on the caller's thread
             raise Aborted(
                 f"episode {rollout_id!r} is being run by another call (its lease is held); retry after it finishes",
                 reason="LEASE_HELD",
                 metadata={"rollout_id": rollout_id},
                 retry_delay=self.lease_retry_delay,
-            ) from None
-        return LogLease(self, rollout_id, lock, fd, source)
-
-    def _take(self, rollout_id: str, lock: Path, legacy: Path) -> tuple[int, _Source]:
-        """The episode's lease and where its record is: one trip to the I/O threads, not two."""
-        fd = _lock(lock)
+            )
         try:
-            return fd, self._resolve(rollout_id, legacy)
+            source = await self._io(self._resolve, rollout_id, legacy)
         except BaseException:
-            os.close(fd)
+            self.leases.release(at)
             raise
+        return LogLease(self, rollout_id, at, source)
 
     def _check(self, lease: EpisodeLease) -> LogLease:
         if not isinstance(lease, LogLease) or lease.store is not self or not lease.held:
@@ -449,7 +498,7 @@ class LogEpisodeStore(EpisodeStore):
         try:
             return _record_from(source.chain, view.read, str(view.folder), held.rollout_id)[0]
         except (FileNotFoundError, DataLoss):
-            held.source = self._resolve(held.rollout_id, source.legacy or self._lock_path(held.rollout_id)[2])
+            held.source = self._resolve(held.rollout_id, source.legacy or self._paths(held.rollout_id)[1])
             if held.source.view is not view or held.source.chain is None:
                 return self._load(held)
             return _record_from(held.source.chain, view.read, str(view.folder), held.rollout_id)[0]
@@ -517,7 +566,7 @@ class LogEpisodeStore(EpisodeStore):
         record = await self._io(self._load, held)
         if record is None:
             return None
-        key = self._lock_path(held.rollout_id)[0]
+        key = self._paths(held.rollout_id)[0]
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
         target = self.archive_dir / f"{key}.{stamp}.{reason}.ckpt"
         await self._io(_write_new_file, target, codec.encode(record))
@@ -560,6 +609,7 @@ class LogEpisodeStore(EpisodeStore):
             os.close(fd)
         self._fds.clear()
         os.close(self._owner_fd)
+        self.leases.close()
 
     # -- the commit thread -------------------------------------------------------------------
 
@@ -682,7 +732,7 @@ class LogEpisodeStore(EpisodeStore):
             if elsewhere > chain.version:
                 continue  # taken over by another process: its log has the record
             if chain.deleted:
-                if not elsewhere and not (self._lock_path(rid)[2]).exists():
+                if not elsewhere and not self._paths(rid)[1].exists():
                     continue  # nothing older anywhere for the tombstone to hide
                 frame = frames.encode(frames.TOMBSTONE, rid, version=chain.version)
                 kind, size = frames.TOMBSTONE, 0
@@ -741,6 +791,11 @@ def _settle(items: list[_Append]) -> None:
             a.future.set_result(None)
         else:
             a.future.set_exception(a.error)
+
+
+def _log_names(logs: Path) -> list[str]:
+    """The log folders in root/logs (not the format marker, not a log still being created)."""
+    return sorted(n for n in os.listdir(logs) if not n.startswith((".", "!")))
 
 
 def _create_folders(root: Path, episodes: Path, *others: Path) -> None:

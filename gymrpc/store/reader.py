@@ -21,7 +21,7 @@ def read_record(root: str | Path, rollout_id: str) -> EpisodeCheckpoint | None:
     root = Path(root)
     best_version, best = 0, None
     logs = root / "logs"
-    names = sorted(n for n in os.listdir(logs) if not n.startswith(".")) if logs.is_dir() else []
+    names = sorted(n for n in os.listdir(logs) if not n.startswith((".", "!"))) if logs.is_dir() else []
     for name in names:
         view = LogView(logs / name)
         view.refresh()

@@ -152,8 +152,8 @@ def main() -> None:
         if args.resume_dir is not None:
             # Every operation the store relies on, tried once here: a folder that cannot hold
             # checkpoints fails now, with the step, rather than at an episode's first boundary.
-            filesystem = check_checkpoint_dir(args.resume_dir)
-            _raise_open_file_limit()  # one lock file per running episode
+            filesystem = check_checkpoint_dir(args.resume_dir, ofd=args.resume_store == "log")
+            _raise_open_file_limit()  # files store: one lock file per running episode
             if args.resume_store == "log":
                 store = LogEpisodeStore(args.resume_dir)
             else:

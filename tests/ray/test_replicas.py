@@ -169,10 +169,12 @@ def test_check_checkpoint_dir_proves_every_operation_the_shared_marker_and_the_l
         check_checkpoint_dir(folder, marker=(marker.name, "something else"))
     with pytest.raises(CheckpointDirError, match="is the folder shared with the launcher's node"):
         check_checkpoint_dir(tmp_path / "elsewhere", marker=marker.proof)
-    os.close(marker.fd)  # as if flock did not reach from the launcher's node to this one
+    os.close(marker.fd)  # as if neither lock reached from the launcher's node to this one
     marker.fd = -1
-    with pytest.raises(CheckpointDirError, match="flock here ignores the launcher's lock"):
+    with pytest.raises(CheckpointDirError, match="OFD locks here do not see the launcher's lock"):
         check_checkpoint_dir(folder, marker=marker.proof)
+    with pytest.raises(CheckpointDirError, match="flock here ignores the launcher's lock"):
+        check_checkpoint_dir(folder, marker=marker.proof, ofd=False)  # the files store's agents
     marker.remove()
     assert list(folder.iterdir()) == []
 
