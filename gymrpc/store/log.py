@@ -170,6 +170,18 @@ class _Append:
     error: BaseException | None = None
 
 
+@dataclass(slots=True)
+class _Lookup:
+    """A lease's question (where is this episode's record?) waiting for the I/O threads."""
+
+    rollout_id: str
+    legacy: Path
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[_Source]
+    source: _Source | None = None
+    error: BaseException | None = None
+
+
 @dataclass
 class _Source:
     """Where an episode's current record is, as resolved when its lease was taken."""
@@ -256,6 +268,9 @@ class LogEpisodeStore(EpisodeStore):
         self._recover()
         self._views: dict[str, LogView] = {}
         self._views_lock = threading.Lock()
+        self._lookups: list[_Lookup] = []
+        self._lookups_lock = threading.Lock()
+        self._looking = False
         self._segments_lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Append | None] = queue.SimpleQueue()
         self._broken: BaseException | None = None
@@ -406,11 +421,14 @@ class LogEpisodeStore(EpisodeStore):
                 view.refresh()
             return list(self._views.values())
 
-    def _resolve(self, rollout_id: str, legacy: Path) -> _Source:
-        """The newest write of the episode across this log, every other log of the folder and a legacy file."""
+    def _resolve(self, rollout_id: str, legacy: Path, views: list[LogView] | None = None) -> _Source:
+        """The newest write of the episode across this log, every other log of the folder and a legacy file.
+
+        `views`: the other logs, refreshed after the episode's lease was taken (default: refreshed here).
+        """
         best = _Source()
         candidates: list[tuple[frames.LogIndex, LogView | None]] = [(self.index, None)]
-        candidates += [(view.index, view) for view in self._refresh_views()]
+        candidates += [(view.index, view) for view in (self._refresh_views() if views is None else views)]
         for index, view in candidates:
             chains, damaged = index.settled()
             chain = chains.get(rollout_id)
@@ -442,11 +460,60 @@ class LogEpisodeStore(EpisodeStore):
                 retry_delay=self.lease_retry_delay,
             )
         try:
-            source = await self._io(self._resolve, rollout_id, legacy)
+            source = await self._look_up(rollout_id, legacy)
         except BaseException:
             self.leases.release(at)
             raise
         return LogLease(self, rollout_id, at, source)
+
+    async def _look_up(self, rollout_id: str, legacy: Path) -> _Source:
+        """`_resolve` in the I/O threads; the leases taken meanwhile share one trip and one refresh of the other logs.
+
+        A trip to the threads costs more CPU than the lookup (about 80 us against 15-30 us measured on
+        tmpfs), and 512 episodes in flight start their leases in bursts: so, as saves share an fsync,
+        lookups share a trip. Every lookup of a trip was queued before its refresh, so after its lease.
+        """
+        loop = asyncio.get_running_loop()
+        item = _Lookup(rollout_id, legacy, loop, loop.create_future())
+        with self._lookups_lock:
+            self._lookups.append(item)
+            start, self._looking = not self._looking, True
+        if start:
+            try:
+                self._pool.submit(self._run_lookups)
+            except BaseException:
+                with self._lookups_lock:
+                    self._lookups.remove(item)
+                    self._looking = False
+                raise
+        return await item.future
+
+    def _run_lookups(self) -> None:
+        while True:
+            with self._lookups_lock:
+                batch, self._lookups = self._lookups, []
+                if not batch:
+                    self._looking = False
+                    return
+            try:
+                views: list[LogView] | None = self._refresh_views()
+                failed: BaseException | None = None
+            except Exception as exc:
+                views, failed = None, exc
+            for item in batch:
+                if failed is not None or views is None:
+                    item.error = failed
+                    continue
+                try:
+                    item.source = self._resolve(item.rollout_id, item.legacy, views)
+                except Exception as exc:
+                    item.error = exc
+            by_loop: dict[asyncio.AbstractEventLoop, list[_Lookup]] = {}
+            for item in batch:
+                by_loop.setdefault(item.loop, []).append(item)
+            for loop, items in by_loop.items():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_answer, items)
 
     def _check(self, lease: EpisodeLease) -> LogLease:
         if not isinstance(lease, LogLease) or lease.store is not self or not lease.held:
@@ -781,6 +848,16 @@ class LogEpisodeStore(EpisodeStore):
         self.stats.compactions += 1
         self.stats.fsyncs += 3
         log.info("episode log compacted", extra={"log": str(self.folder), "bytes": len(data), "segment": seq})
+
+
+def _answer(items: list[_Lookup]) -> None:
+    for item in items:
+        if item.future.done():
+            continue  # the caller gave up (cancelled): its acquire releases the lease
+        if item.error is not None:
+            item.future.set_exception(item.error)
+        else:
+            item.future.set_result(item.source if item.source is not None else _Source())
 
 
 def _settle(items: list[_Append]) -> None:
