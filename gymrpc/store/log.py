@@ -2,7 +2,7 @@
 
 Layout (`k` = sha256 of the rollout id; the archive and legacy records as in `files`):
 
-    root/leases.lock                    the episodes' leases: an OFD lock on byte `ranges.offset(k)`
+    root/leases/<nn>.lock               the episodes' leases: an OFD lock on one byte of one file (`ranges.slot(k)`)
     root/logs/<log id>/owner.lock       held (flock, and an OFD lock on byte 0) by the process appending to the log
     root/logs/<SCHEME>/owner.lock/      a folder, not a file: the format marker (see below)
     root/logs/<log id>/<seq>.seg        the log's segments (`frames`), oldest first
@@ -197,8 +197,8 @@ class _Source:
 
 
 class LogLease(EpisodeLease):
-    def __init__(self, store: LogEpisodeStore, rollout_id: str, offset: int, source: _Source) -> None:
-        self.store, self.rollout_id, self.offset, self.source = store, rollout_id, offset, source
+    def __init__(self, store: LogEpisodeStore, rollout_id: str, slot: int, source: _Source) -> None:
+        self.store, self.rollout_id, self.slot, self.source = store, rollout_id, slot, source
         self._held = True
         self.base: fields.Values | None = None
         """The fields of the stored record when it is the latest frame in this process's log (a delta's base)."""
@@ -212,7 +212,7 @@ class LogLease(EpisodeLease):
         held, self._held = self._held, False
         self.base = None
         if held:
-            self.store.leases.release(self.offset)  # one non-blocking fcntl: no trip to the I/O threads
+            self.store.leases.release(self.slot)  # one non-blocking fcntl: no trip to the I/O threads
 
 
 @dataclass
@@ -256,7 +256,7 @@ class LogEpisodeStore(EpisodeStore):
         self.stats = LogStats()
         _create_folders(self.root, self.episodes, self.archive_dir, self.logs)
         self._claim_format()
-        self.leases = ranges.RangeLocks(self.root / ranges.LOCK_FILE)
+        self.leases = ranges.RangeLocks(self.root / ranges.FOLDER)
         try:
             self.folder, self._owner_fd = self._adopt_or_create()
         except BaseException:
@@ -451,7 +451,7 @@ class LogEpisodeStore(EpisodeStore):
         key, legacy = self._paths(rollout_id)
         if self._closed:
             raise RuntimeError("the store is closed")
-        at = ranges.offset(key)
+        at = ranges.slot(key)
         if not self.leases.take(at):  # one non-blocking fcntl, here on the caller's thread
             raise Aborted(
                 f"episode {rollout_id!r} is being run by another call (its lease is held); retry after it finishes",

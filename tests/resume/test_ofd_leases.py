@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import hashlib
 import os
 import signal
 import sys
@@ -122,13 +123,14 @@ def test_another_process_is_excluded_and_a_sigkilled_holder_frees_its_leases_at_
     asyncio.run(scenario())
 
 
-def test_the_lease_offsets_spread_over_2_to_the_62_bytes() -> None:
-    import hashlib
-
-    offsets = {ranges.offset(hashlib.sha256(f"ep-{i}".encode()).hexdigest()) for i in range(10_000)}
-    assert len(offsets) == 10_000
-    assert max(offsets) < ranges.SPAN
-    assert min(offsets) >= 0
+def test_the_leases_spread_over_64_files_and_2_to_the_62_bytes(tmp_path: Path) -> None:
+    slots = {ranges.slot(hashlib.sha256(f"ep-{i}".encode()).hexdigest()) for i in range(10_000)}
+    assert len(slots) == 10_000
+    assert {s % ranges.FILES for s in slots} == set(range(ranges.FILES))
+    assert max(s >> 2 for s in slots) < ranges.SPAN
+    locks = ranges.RangeLocks(tmp_path / "leases")
+    assert len(list((tmp_path / "leases").iterdir())) == ranges.FILES  # created once, never per episode
+    locks.close()
 
 
 # -- the folder's format --------------------------------------------------------------------------
