@@ -197,6 +197,7 @@ class SessionHost:
             if call_id and key in slot.results:
                 result = slot.results[key]
             else:
+                slot.last_change = key  # from here on the session may differ from before this call
                 if bad_arguments is not None:
                     result = ToolResult(bad_arguments, is_error=True)
                 else:
@@ -220,10 +221,10 @@ class SessionHost:
             if turn_id and key in slot.results:
                 result = slot.results[key]
             else:
+                slot.last_change = key  # from here on the session may differ from before this turn
                 try:
                     result = await self.run(slot.session.step, text)
                 except ToolError as exc:
-                    slot.last_change = key  # a failed turn may have changed the session all the same
                     raise FailedPrecondition(str(exc)) from None
                 self._remember(slot, key, result)
             return result, await self.after(slot, key) if export else None
@@ -266,7 +267,6 @@ class SessionHost:
 
     @staticmethod
     def _remember(slot: Slot, key: str, result: Any) -> None:
-        slot.last_change = key
         if not key.endswith(":"):
             slot.results[key] = result
             while len(slot.results) > MAX_RESULTS_PER_SESSION:
