@@ -59,6 +59,7 @@ from gymrpc import tracing
 from gymrpc.control import gc
 from gymrpc.control.index import endpoint_order, index_sources, read_index, sources_of, write_index
 from gymrpc.control.membership import Directory, Member
+from gymrpc.control.plane import writes_nothing
 from gymrpc.control.store import checkpoint_episodes
 from gymrpc.control.trainer_state import TrainerState, reference
 from gymrpc.control.types import (
@@ -485,8 +486,7 @@ class Controller:
         unsure = {
             m.label: r
             for m, r in zip(members, results, strict=True)
-            if isinstance(r, BaseException)
-            and not (isinstance(r, FailedPrecondition) and r.reason in ("CHECKPOINT_INCOMPLETE", "STALE_CHECKPOINT"))
+            if isinstance(r, BaseException) and not writes_nothing(r)
         }
         if unsure:
             log.warning(

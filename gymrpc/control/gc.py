@@ -30,6 +30,7 @@ import secrets
 import shutil
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from gymrpc.control import store
 from gymrpc.control.index import INDEX, _load_index
 from gymrpc.control.types import Kind
 from gymrpc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from gymrpc.v1 import participant_service_pb2 as pb
 
 LEASE = ".publishing.json"
 """`{"checkpoint_id", "until"}` in a checkpoint folder: a publish may still happen until `until` (epoch s)."""
@@ -128,22 +130,29 @@ def checkpoint_shaped(folder: Path, *, empty: bool = False) -> bool:
     return empty or kinds > 0
 
 
-def _manifest_ids(folder: Path) -> set[str]:
-    ids = set()
-    for kind in _KINDS:
+def _manifests(folder: Path) -> Iterator[pb.CheckpointManifest | None]:
+    """Each member's manifest in checkpoint folder `folder`, None for a damaged one; members without one are skipped.
+
+    The one walk over `<kind>/<member>/manifest.json` that the removal checks and the reference scan share.
+    """
+    for kind in sorted(_KINDS):
         try:
-            members = list(os.scandir(folder / kind))
+            members = sorted(os.scandir(folder / kind), key=lambda e: e.name)
         except (FileNotFoundError, NotADirectoryError):
             continue
         for member in members:
             try:
-                manifest = store._load_manifest(Path(member.path, store.MANIFEST))
+                manifest = store.load_manifest(Path(member.path, store.MANIFEST))
             except DataLoss:
-                ids.add("?")
+                yield None
                 continue
             if manifest is not None:
-                ids.add(manifest.checkpoint_id)
-    return ids
+                yield manifest
+
+
+def _manifest_ids(folder: Path) -> set[str]:
+    """The checkpoint ids the folder's manifests name; `?` for a damaged one (it could be anyone's)."""
+    return {"?" if manifest is None else manifest.checkpoint_id for manifest in _manifests(folder)}
 
 
 def _newest_mtime(folder: Path) -> float:
@@ -215,20 +224,11 @@ def referenced(root: Path) -> dict[str, set[str]]:
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
             continue
-        for kind in _KINDS:
-            try:
-                members = list(os.scandir(Path(entry.path, kind)))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for member in members:
-                try:
-                    manifest = store._load_manifest(Path(member.path, store.MANIFEST))
-                except DataLoss:
-                    continue
-                for segment in manifest.segments if manifest is not None else ():
-                    name = segment.records_path.partition("/")[0]
-                    if name and name != entry.name:
-                        refs.setdefault(name, set()).add(entry.name)
+        for manifest in _manifests(Path(entry.path)):
+            for segment in manifest.segments if manifest is not None else ():
+                name = segment.records_path.partition("/")[0]
+                if name and name != entry.name:
+                    refs.setdefault(name, set()).add(entry.name)
     return refs
 
 

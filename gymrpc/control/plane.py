@@ -78,6 +78,15 @@ PERMANENT_ERRNOS = frozenset(
     {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP}
 )
 """Write failures a retried commit cannot fix (FAILED_PRECONDITION); others (ENOSPC, EIO) may pass (UNAVAILABLE)."""
+NOTHING_WRITTEN_REASONS = frozenset({"CHECKPOINT_INCOMPLETE", "STALE_CHECKPOINT"})
+"""FAILED_PRECONDITION reasons with which an abandon (`Persist` with `abandon`) says that nothing of the
+checkpoint is, or will be, written here (never captured here, or already stopped): as good as a confirmation."""
+
+
+def writes_nothing(error: BaseException) -> bool:
+    """`error`, an abandon's reply, still confirms that the member writes nothing more into the checkpoint's
+    folder, so the controller may remove it (`Controller.discard`)."""
+    return isinstance(error, FailedPrecondition) and error.reason in NOTHING_WRITTEN_REASONS
 
 
 @dataclass(frozen=True)

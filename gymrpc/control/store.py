@@ -188,7 +188,7 @@ def legacy_dir(root: Path, kind: Kind, name: str, endpoint_id: str = "0") -> Pat
 def _holds(folder: Path, name: str) -> bool:
     """The folder's manifest is `name`'s (a legacy folder may hold another name's of the same instance)."""
     try:
-        manifest = _load_manifest(folder / MANIFEST)
+        manifest = load_manifest(folder / MANIFEST)
     except DataLoss:
         return False
     return manifest is not None and manifest.name == name
@@ -244,7 +244,7 @@ def write_checkpoint(
     folder = participant_dir(root, kind, name, endpoint_id)
     stop.check()  # stopped before it began: create nothing (the folder may be being deleted)
     _make_dirs(folder)
-    existing = _load_manifest(folder / MANIFEST)
+    existing = load_manifest(folder / MANIFEST)
     if existing is not None and existing.checkpoint_id != checkpoint_id:
         raise _conflict(folder, existing, checkpoint_id)
     fd, temp = tempfile.mkstemp(dir=folder, prefix=".records-", suffix=".tmp")
@@ -313,7 +313,7 @@ def read_checkpoint(
     `stop` set (the restore's deadline passed) ends the read with `safeio.ReadStopped`.
     """
     folder = checkpoint_dir_of(root, kind, name, endpoint_id)
-    manifest = _load_manifest(folder / MANIFEST)
+    manifest = load_manifest(folder / MANIFEST)
     if manifest is None:
         replica = "" if endpoint_id == "0" else f" replica {endpoint_id}"
         raise NotFound(
@@ -351,7 +351,7 @@ def checkpoint_episodes(root: Path) -> set[tuple[str, int]]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         for entry in entries:
-            manifest = _load_manifest(Path(entry.path, MANIFEST))
+            manifest = load_manifest(Path(entry.path, MANIFEST))
             if manifest is not None:
                 held.update((e.rollout_id, e.attempt) for e in manifest.episode_ids)
     return held
@@ -425,7 +425,7 @@ def _create_manifest(folder: Path, manifest: pb.CheckpointManifest) -> pb.Checkp
     text = json_format.MessageToJson(manifest, preserving_proto_field_name=True, sort_keys=True, indent=1)
     if create_file(folder / MANIFEST, text + "\n"):
         return manifest
-    existing = _load_manifest(folder / MANIFEST)
+    existing = load_manifest(folder / MANIFEST)
     if existing is None or not manifests_equal(existing, manifest):
         raise _conflict(folder, existing, manifest.checkpoint_id)
     return existing
@@ -453,7 +453,11 @@ def create_file(path: Path, text: str) -> bool:
         os.unlink(temp)
 
 
-def _load_manifest(path: Path) -> pb.CheckpointManifest | None:
+def load_manifest(path: Path) -> pb.CheckpointManifest | None:
+    """The manifest at `path`, None if there is none (a member that never wrote); DATA_LOSS if it is damaged.
+
+    Absence is an answer, not an error: a member folder without a manifest is an unfinished write.
+    """
     try:
         data = read_manifest_bytes(path)
     except FileNotFoundError:

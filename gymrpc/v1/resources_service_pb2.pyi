@@ -170,8 +170,14 @@ class SeedSessionRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     EPISODE_ID_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
+    RETURN_SNAPSHOT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Session id chosen by the caller; same pattern as `EpisodeId.rollout_id`."""
+    return_snapshot: _builtins.bool
+    """Return the session's snapshot after the seed in the reply (`snapshot`),
+    saving a `CheckpointSession` call. A server that does not advertise
+    `GetSessionCheckpointingResponse.snapshot_in_replies` ignores it.
+    """
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:
         """Episode the session belongs to."""
@@ -186,10 +192,11 @@ class SeedSessionRequest(_message.Message):
         session_id: _builtins.str = ...,
         episode_id: _common_pb2.EpisodeId | None = ...,
         task: _common_pb2.Task | None = ...,
+        return_snapshot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "session_id", b"session_id", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "return_snapshot", b"return_snapshot", "session_id", b"session_id", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -203,6 +210,7 @@ class SeedSessionResponse(_message.Message):
 
     TOOLS_FIELD_NUMBER: _builtins.int
     OBSERVATIONS_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolDefinition]:
         """Tools this session offers (may differ from `ListTools` per task)."""
@@ -213,15 +221,23 @@ class SeedSessionResponse(_message.Message):
         a card game); empty for most tool environments.
         """
 
+    @_builtins.property
+    def snapshot(self) -> _common_pb2.SessionSnapshot:
+        """The session's state right after the seed, when `return_snapshot` asked
+        for it; unset otherwise (and from a server that does not know the field:
+        call `CheckpointSession` then).
+        """
+
     def __init__(
         self,
         *,
         tools: _abc.Iterable[_common_pb2.ToolDefinition] | None = ...,
         observations: _abc.Iterable[_common_pb2.Message] | None = ...,
+        snapshot: _common_pb2.SessionSnapshot | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["observations", b"observations", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["observations", b"observations", "snapshot", b"snapshot", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -236,8 +252,15 @@ class CallToolRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     EPISODE_ID_FIELD_NUMBER: _builtins.int
     CALL_FIELD_NUMBER: _builtins.int
+    RETURN_SNAPSHOT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Session to act on."""
+    return_snapshot: _builtins.bool
+    """Return the session's snapshot after this call in the reply (`snapshot`),
+    saving a `CheckpointSession` call. A retry de-duplicated by `call.id` gets
+    the state after the first call, or FAILED_PRECONDITION if the session has
+    changed since.
+    """
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:
         """Episode that owns the session."""
@@ -252,10 +275,11 @@ class CallToolRequest(_message.Message):
         session_id: _builtins.str = ...,
         episode_id: _common_pb2.EpisodeId | None = ...,
         call: _common_pb2.ToolCall | None = ...,
+        return_snapshot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "episode_id", b"episode_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "episode_id", b"episode_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "episode_id", b"episode_id", "return_snapshot", b"return_snapshot", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -269,21 +293,30 @@ class CallToolResponse(_message.Message):
 
     OUTPUT_FIELD_NUMBER: _builtins.int
     IS_ERROR_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
     output: _builtins.str
     """The tool's output for the model: JSON text or plain text."""
     is_error: _builtins.bool
     """True when `output` describes a failure (unknown tool, bad arguments, a
     tool error); the episode goes on and the model sees the message.
     """
+    @_builtins.property
+    def snapshot(self) -> _common_pb2.SessionSnapshot:
+        """The session's state right after this call, when `return_snapshot` asked
+        for it; unset otherwise (and from a server that does not know the field:
+        call `CheckpointSession` then).
+        """
+
     def __init__(
         self,
         *,
         output: _builtins.str = ...,
         is_error: _builtins.bool = ...,
+        snapshot: _common_pb2.SessionSnapshot | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_error", b"is_error", "output", b"output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_error", b"is_error", "output", b"output", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -299,10 +332,17 @@ class StepRequest(_message.Message):
     EPISODE_ID_FIELD_NUMBER: _builtins.int
     TURN_ID_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    RETURN_SNAPSHOT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Session to act on."""
     turn_id: _builtins.str
     """De-duplication key, unique per turn of the episode (for example `turn_3`)."""
+    return_snapshot: _builtins.bool
+    """Return the session's snapshot after this turn in the reply (`snapshot`),
+    saving a `CheckpointSession` call. A retry de-duplicated by `turn_id` gets
+    the state after the first turn, or FAILED_PRECONDITION if the session has
+    changed since.
+    """
     @_builtins.property
     def episode_id(self) -> _common_pb2.EpisodeId:
         """Episode that owns the session."""
@@ -318,10 +358,11 @@ class StepRequest(_message.Message):
         episode_id: _common_pb2.EpisodeId | None = ...,
         turn_id: _builtins.str = ...,
         message: _common_pb2.Message | None = ...,
+        return_snapshot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "message", b"message", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "message", b"message", "return_snapshot", b"return_snapshot", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -336,6 +377,7 @@ class StepResponse(_message.Message):
     OBSERVATIONS_FIELD_NUMBER: _builtins.int
     TERMINATED_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
     terminated: _builtins.bool
     """The episode reached a terminal state; verify next."""
     truncated: _builtins.bool
@@ -344,16 +386,24 @@ class StepResponse(_message.Message):
     def observations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Message]:
         """Messages to append to the conversation (for example the new hand)."""
 
+    @_builtins.property
+    def snapshot(self) -> _common_pb2.SessionSnapshot:
+        """The session's state right after this turn, when `return_snapshot` asked
+        for it; unset otherwise (and from a server that does not know the field:
+        call `CheckpointSession` then).
+        """
+
     def __init__(
         self,
         *,
         observations: _abc.Iterable[_common_pb2.Message] | None = ...,
         terminated: _builtins.bool = ...,
         truncated: _builtins.bool = ...,
+        snapshot: _common_pb2.SessionSnapshot | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["observations", b"observations", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["observations", b"observations", "snapshot", b"snapshot", "terminated", b"terminated", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -495,6 +545,7 @@ class GetSessionCheckpointingResponse(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     FORMAT_NAME_FIELD_NUMBER: _builtins.int
     FORMAT_VERSION_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_IN_REPLIES_FIELD_NUMBER: _builtins.int
     supported: _builtins.bool
     """Whether `CheckpointSession` and `RestoreSession` work."""
     protocol_version: _builtins.int
@@ -503,6 +554,10 @@ class GetSessionCheckpointingResponse(_message.Message):
     """Codec name of the snapshots."""
     format_version: _builtins.int
     """Codec version of the snapshots."""
+    snapshot_in_replies: _builtins.bool
+    """`SeedSession`, `CallTool` and `Step` return the session's snapshot in
+    their replies when the request sets `return_snapshot`.
+    """
     def __init__(
         self,
         *,
@@ -510,10 +565,11 @@ class GetSessionCheckpointingResponse(_message.Message):
         protocol_version: _builtins.int = ...,
         format_name: _builtins.str = ...,
         format_version: _builtins.int = ...,
+        snapshot_in_replies: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["format_name", b"format_name", "format_version", b"format_version", "protocol_version", b"protocol_version", "supported", b"supported"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["format_name", b"format_name", "format_version", b"format_version", "protocol_version", b"protocol_version", "snapshot_in_replies", b"snapshot_in_replies", "supported", b"supported"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

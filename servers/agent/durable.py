@@ -11,8 +11,10 @@ interleave. It loads the record and decides, in this order:
   resources server that restarted and lost it), `resume_count + 1`, continue the phase.
 
 After every transition the record is saved before the episode moves on: after seeding and
-after each tool call or text turn with a fresh `CheckpointSession` snapshot, after each
-model call with the previous one (a model call does not touch the session). A boundary
+after each tool call or text turn with a fresh snapshot of the session, after each model call
+with the previous one (a model call does not touch the session). The snapshot comes in the
+reply of the call itself (`return_snapshot`) from a resources server that advertises it
+(`snapshot_in_replies`), and from a separate `CheckpointSession` call otherwise. A boundary
 that was saved is never run again; one that was not is run again from restored state, so
 its effects are not applied twice either. If the resources server loses the session mid-run
 (it restarted), the run goes back to the last saved boundary and goes on from there.
@@ -84,6 +86,7 @@ class DurableEpisodes:
             request = resources_pb.GetSessionCheckpointingRequest()
             probe = await self.loop.call_resources("GetSessionCheckpointing", request)
             supported = probe.supported
+            self.loop.snapshots_in_replies = supported and probe.snapshot_in_replies
         except Unimplemented:
             supported = False
         if not supported:
@@ -199,6 +202,7 @@ class DurableEpisodes:
         for recovery in range(SESSION_RECOVERIES + 1):
             phase = state.phase
             try:
+                state.session_snapshot = None
                 message = await self.loop.advance(state)
                 state.elapsed_s = base + time.monotonic() - started
                 if state.phase is Phase.COMPLETED:
@@ -223,6 +227,10 @@ class DurableEpisodes:
         raise AssertionError("unreachable")
 
     async def _snapshot(self, state: EpisodeState) -> common_pb2.SessionSnapshot:
+        """The session's state after the transition: the one its reply carried, else a `CheckpointSession`
+        (a resources server that does not return snapshots in replies, or a call that never reached it)."""
+        if state.session_snapshot is not None:
+            return state.session_snapshot
         request = resources_pb.CheckpointSessionRequest(session_id=state.session_id, episode_id=state.episode_id)
         reply = await self.loop.call_resources("CheckpointSession", request)
         return reply.snapshot

@@ -77,6 +77,9 @@ class EpisodeLoop:
         self.failovers = failovers
         self.resources_name, self.model_name = resources_name, model_name
         self.call_timeout = call_timeout
+        self.snapshots_in_replies = False
+        """Ask `SeedSession`, `CallTool` and `Step` for the session's snapshot in their replies (durable
+        resume sets it once the resources server advertises support); kept in `state.session_snapshot`."""
         self._cleanups: set[asyncio.Task[None]] = set()
 
     # -- driving -----------------------------------------------------------------------------
@@ -145,10 +148,14 @@ class EpisodeLoop:
 
     async def _seed(self, state: EpisodeState) -> common_pb2.Message | None:
         request = resources_pb.SeedSessionRequest(
-            session_id=state.session_id, episode_id=state.episode_id, task=state.task
+            session_id=state.session_id,
+            episode_id=state.episode_id,
+            task=state.task,
+            return_snapshot=self.snapshots_in_replies,
         )
         with tracing.span("seed"):
             reply = await self.call_resources("SeedSession", request)
+        state.session_snapshot = _snapshot(reply)
         state.messages = [*state.task.input, *(_as_role(m, common_pb2.ROLE_USER) for m in reply.observations)]
         state.tools = list(state.task.tools or reply.tools)
         state.phase = Phase.READY_FOR_MODEL
@@ -210,12 +217,17 @@ class EpisodeLoop:
         with tracing.span("tool.call", **{"gymrpc.tool": call.name, "gymrpc.step": state.step - 1}) as span:
             if call.name:
                 request = resources_pb.CallToolRequest(
-                    session_id=state.session_id, episode_id=state.episode_id, call=call
+                    session_id=state.session_id,
+                    episode_id=state.episode_id,
+                    call=call,
+                    return_snapshot=self.snapshots_in_replies,
                 )
                 reply = await self.call_resources("CallTool", request)
                 output, is_error = reply.output, reply.is_error
+                state.session_snapshot = _snapshot(reply)
             else:  # the resources server refuses nameless calls; the model should hear why instead
                 output, is_error = NO_NAME_ERROR, True
+                state.session_snapshot = None
             if span is not None:
                 span.set_attribute("gymrpc.tool_error", is_error)
         latency = time.perf_counter() - started
@@ -238,9 +250,11 @@ class EpisodeLoop:
             episode_id=state.episode_id,
             turn_id=state.turn_id(state.step - 1),
             message=state.messages[-1],
+            return_snapshot=self.snapshots_in_replies,
         )
         with tracing.span("env.step", **{"gymrpc.step": state.step - 1}):
             reply = await self.call_resources("Step", request)
+        state.session_snapshot = _snapshot(reply)
         state.messages.extend(_as_role(m, common_pb2.ROLE_USER) for m in reply.observations)
         if reply.terminated:
             # The protocol has no dedicated reason (yet): a natural end is the text-env final answer.
@@ -303,6 +317,11 @@ async def _call(stub: Any, service: str, method: str, request: Any, seconds: flo
         raise with_context(err, service, method) from err
     except grpc.RpcError as exc:  # a plain generated stub rather than a gymrpc.Client one
         raise with_context(from_rpc_error(exc), service, method) from exc
+
+
+def _snapshot(reply: Any) -> common_pb2.SessionSnapshot | None:
+    """The session snapshot a `SeedSession`, `CallTool` or `Step` reply carries; None from a server that sent none."""
+    return reply.snapshot if reply.HasField("snapshot") else None
 
 
 def _end_loop(state: EpisodeState, reason: int) -> None:

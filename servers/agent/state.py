@@ -115,6 +115,10 @@ class EpisodeState:
     keeps_session_for_retry: bool = False
     """Continued from a restored record: a `Run` the caller will retry (`caller_retries`) leaves the
     session open and the record in place, so the retry continues the episode (not checkpointed)."""
+    session_snapshot: common_pb2.SessionSnapshot | None = None
+    """The resources session's snapshot that the last `SeedSession`, `CallTool` or `Step` reply carried
+    (`EpisodeLoop.snapshots_in_replies`), None if it carried none; durable resume saves it with the
+    boundary instead of calling `CheckpointSession` (not checkpointed itself)."""
 
     def __post_init__(self) -> None:
         if not ROLLOUT_ID.fullmatch(self.rollout_id):

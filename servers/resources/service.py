@@ -75,7 +75,6 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
         session_id = check_id(request.session_id, "session_id")
         episode = episode_key(request.episode_id)
         spec = task_spec(request.task)
-        fingerprint = "sha256:" + hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
 
         def reply(observations: Sequence[str]) -> pb.SeedSessionResponse:
             return pb.SeedSessionResponse(
@@ -83,7 +82,20 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
                 observations=[common_pb2.Message(role=common_pb2.ROLE_USER, content=o) for o in observations],
             )
 
-        return await self.host.seed(session_id, episode, spec, fingerprint, reply)
+        # The fingerprint covers the whole request: a seed retried with `return_snapshot` flipped is the same seed.
+        flag, request.return_snapshot = request.return_snapshot, False
+        try:
+            fingerprint = "sha256:" + hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+        finally:
+            request.return_snapshot = flag
+        seeded = await self.host.seed(session_id, episode, spec, fingerprint, reply)
+        if not flag:
+            return seeded
+        fmt = self.host.require_snapshots()
+        payload = await self.host.export_after_seed(session_id, episode)
+        return pb.SeedSessionResponse(
+            tools=seeded.tools, observations=seeded.observations, snapshot=session_snapshot(fmt, payload)
+        )
 
     async def CallTool(self, request: pb.CallToolRequest, context: grpc.aio.ServicerContext) -> pb.CallToolResponse:
         session_id = check_id(request.session_id, "session_id")
@@ -103,8 +115,14 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
                 problem = f"Error: arguments of {call.name} are refused: {exc}"
             except ValueError as exc:
                 problem = f"Error: arguments of {call.name} are not valid JSON: {exc}"
-        result = await self.host.call_tool(session_id, episode, call.id, call.name, arguments, problem)
-        return pb.CallToolResponse(output=result.output, is_error=result.is_error)
+        export = request.return_snapshot
+        result, payload = await self.host.call_tool(
+            session_id, episode, call.id, call.name, arguments, problem, export=export
+        )
+        reply = pb.CallToolResponse(output=result.output, is_error=result.is_error)
+        if payload is not None:
+            reply.snapshot.CopyFrom(session_snapshot(self.host.require_snapshots(), payload))
+        return reply
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         session_id = check_id(request.session_id, "session_id")
@@ -113,12 +131,17 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
             raise FailedPrecondition(f"environment {self.environment.name!r} takes tool calls, not text turns")
         if request.message.role != common_pb2.ROLE_ASSISTANT:
             raise InvalidArgument("Step takes the assistant's message", metadata={"field": "message.role"})
-        result = await self.host.step(session_id, episode, request.turn_id, request.message.content)
-        return pb.StepResponse(
+        result, payload = await self.host.step(
+            session_id, episode, request.turn_id, request.message.content, export=request.return_snapshot
+        )
+        reply = pb.StepResponse(
             observations=[common_pb2.Message(role=common_pb2.ROLE_USER, content=o) for o in result.observations],
             terminated=result.terminated,
             truncated=result.truncated,
         )
+        if payload is not None:
+            reply.snapshot.CopyFrom(session_snapshot(self.host.require_snapshots(), payload))
+        return reply
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
         session_id = check_id(request.session_id, "session_id")
@@ -147,6 +170,7 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
             protocol_version=SNAPSHOT_PROTOCOL_VERSION,
             format_name=fmt.name,
             format_version=fmt.version,
+            snapshot_in_replies=True,
         )
 
     async def CheckpointSession(

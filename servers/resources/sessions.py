@@ -34,6 +34,8 @@ from gymrpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidAr
 T = TypeVar("T")
 MAX_CLOSED_REMEMBERED = 100_000
 MAX_RESULTS_PER_SESSION = 10_000
+SEED = "seed"
+"""`Slot.last_change` of a session nothing has changed since its seed (call keys have a colon)."""
 
 
 def not_owner(session_id: str) -> PermissionDenied:
@@ -64,6 +66,9 @@ class Slot:
     """Replies by de-duplication key (`call:<id>`, `turn:<id>`): a retry returns the first reply."""
     verify_failed: bool = False
     """The last `verify` raised: the episode failed, so coordinated checkpoints leave the session out."""
+    last_change: str = ""
+    """De-duplication key of the call that last changed the session (`seed` after seeding, "" once a
+    verify ran): a retry of that call may still export the state right after it (`after`)."""
 
 
 class SessionHost:
@@ -147,7 +152,7 @@ class SessionHost:
         if session_id in self._slots:  # a concurrent seed of the same id won the race
             await self.run(session.close)
             return await self.seed(session_id, episode, task, fingerprint, reply)
-        slot = Slot(session, episode, fingerprint, reply(observations))
+        slot = Slot(session, episode, fingerprint, reply(observations), last_change=SEED)
         self._slots[session_id] = slot
         self._closed.pop(session_id, None)
         return slot.seed_reply
@@ -179,38 +184,79 @@ class SessionHost:
         name: str,
         arguments: Mapping[str, Any] | None,
         bad_arguments: str | None,
-    ) -> ToolResult:
+        *,
+        export: bool = False,
+    ) -> tuple[ToolResult, bytes | None]:
+        """The call's result (a retry with the same `call_id` gets the first one) and, if `export`, the
+        session's snapshot payload right after the call (`after`)."""
+        if export:
+            self.require_snapshots()  # refused before the call runs: nothing changes
         slot = self.slot(session_id, episode)
         async with slot.lock:
             key = f"call:{call_id}"
             if call_id and key in slot.results:
-                return slot.results[key]
-            if bad_arguments is not None:
-                result = ToolResult(bad_arguments, is_error=True)
+                result = slot.results[key]
             else:
-                try:
-                    result = await self.run(slot.session.call_tool, name, arguments or {})
-                except ToolError as exc:
-                    result = ToolResult(str(exc), is_error=True)
-            self._remember(slot, key, result)
-            return result
+                slot.last_change = key  # from here on the session may differ from before this call
+                if bad_arguments is not None:
+                    result = ToolResult(bad_arguments, is_error=True)
+                else:
+                    try:
+                        result = await self.run(slot.session.call_tool, name, arguments or {})
+                    except ToolError as exc:
+                        result = ToolResult(str(exc), is_error=True)
+                self._remember(slot, key, result)
+            return result, await self.after(slot, key) if export else None
 
-    async def step(self, session_id: str, episode: EpisodeKey, turn_id: str, text: str) -> StepResult:
+    async def step(
+        self, session_id: str, episode: EpisodeKey, turn_id: str, text: str, *, export: bool = False
+    ) -> tuple[StepResult, bytes | None]:
+        """The turn's result (a retry with the same `turn_id` gets the first one) and, if `export`, the
+        session's snapshot payload right after the turn (`after`)."""
+        if export:
+            self.require_snapshots()
         slot = self.slot(session_id, episode)
         async with slot.lock:
             key = f"turn:{turn_id}"
             if turn_id and key in slot.results:
-                return slot.results[key]
-            try:
-                result = await self.run(slot.session.step, text)
-            except ToolError as exc:
-                raise FailedPrecondition(str(exc)) from None
-            self._remember(slot, key, result)
-            return result
+                result = slot.results[key]
+            else:
+                slot.last_change = key  # from here on the session may differ from before this turn
+                try:
+                    result = await self.run(slot.session.step, text)
+                except ToolError as exc:
+                    raise FailedPrecondition(str(exc)) from None
+                self._remember(slot, key, result)
+            return result, await self.after(slot, key) if export else None
+
+    async def after(self, slot: Slot, key: str) -> bytes:
+        """The session's snapshot payload right after the call `key` (hold `slot.lock`).
+
+        Exact: the call ran last on the session, so its state now is the state after it. A retry of
+        an older call (the session changed since) is refused rather than answered with a later state.
+        """
+        if slot.last_change != key:
+            what = "its seed" if key == SEED else f"{key.partition(':')[0]} {key.partition(':')[2]!r}"
+            raise FailedPrecondition(
+                f"the session changed after {what}, so its state right after it is gone (a retry of an older "
+                "call); call CheckpointSession for the current state",
+                metadata={"call": key[:140]},
+            )
+        try:
+            return await self.run(slot.session.export)
+        except SnapshotUnsupported as exc:
+            raise FailedPrecondition(str(exc), reason="SNAPSHOT_UNSUPPORTED") from None
+
+    async def export_after_seed(self, session_id: str, episode: EpisodeKey) -> bytes:
+        """The session's snapshot payload right after its seed (`after`): the seed's reply carries it."""
+        slot = self.slot(session_id, episode)
+        async with slot.lock:
+            return await self.after(slot, SEED)
 
     async def verify(self, session_id: str, episode: EpisodeKey, messages: Sequence[Mapping[str, Any]]) -> VerifyResult:
         slot = self.slot(session_id, episode)
         async with slot.lock:
+            slot.last_change = ""  # an environment's verify may change the session
             try:
                 result = await self.run(slot.session.verify, messages)
             except Exception:  # not a cancelled call: the verify itself may still finish

@@ -194,3 +194,8 @@ def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: An
     assert total(page, "gymrpc_store_written_bytes_total") > 0
     assert total(page, "gymrpc_store_failed_writes_total") == 0
     assert "gymrpc_store_fsyncs_total" not in {n for n, _ in scrape(metrics_urls(run_dir)["model/policy"])}
+    # The session snapshots came in the replies of SeedSession and CallTool (`snapshot_in_replies`).
+    resources = scrape(metrics_urls(run_dir)["resources/counter"])
+    calls = "gymrpc_rpc_duration_seconds_count"
+    assert total(resources, calls, method="/gymrpc.v1.ResourcesService/CallTool") >= 3
+    assert total(resources, calls, method="/gymrpc.v1.ResourcesService/CheckpointSession") == 0

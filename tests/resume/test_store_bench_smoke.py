@@ -3,33 +3,22 @@ the several-process round run end to end and report sane figures. No timing asse
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.quick import ROOT, run_quick
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU clocks")
 
 
 def test_quick_store_bench_reports_every_store_and_the_processes_round(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    argv = [sys.executable, str(ROOT / "bench" / "store.py"), "--quick", "--total", "400", "--episodes", "16"]
-    proc = subprocess.run(
-        [*argv, "--procs", "2", "--dir", str(tmp_path), "--json", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = json.loads(out.read_text())["results"]
+    args = ["--total", "400", "--episodes", "16", "--procs", "2", "--dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    _, figures = run_quick("store.py", tmp_path, timeout=300, args=args, env=env)
+    results = figures["results"]
     assert results["harness"]["cpu_us_per_boundary"] > 0
     for kind in ("log", "log-whole", "files"):
         assert results[kind]["boundaries_per_s"] > 0

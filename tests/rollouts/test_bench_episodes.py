@@ -5,15 +5,12 @@ No timing assertions: the figures depend on the machine and its load.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.quick import run_quick, without_pythonpath
 
 pytestmark = [
     pytest.mark.slow,
@@ -22,17 +19,9 @@ pytestmark = [
 
 
 def test_quick_episode_bench_prints_a_row_per_level(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "episodes.py"), "--quick", "--json", str(out)],
-        cwd=tmp_path,  # the bench must not depend on the working directory
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
+    # run in tmp_path: the bench must not depend on the working directory
+    stdout, figures = run_quick("episodes.py", tmp_path, timeout=240, cwd=tmp_path, env=without_pythonpath())
+    lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["concurrency", "episodes"])
     rows = [line.split() for line in lines[header + 1 :] if line.strip()]
     assert [row[0] for row in rows] == ["1", "8", "32"]
@@ -41,7 +30,7 @@ def test_quick_episode_bench_prints_a_row_per_level(tmp_path: Path) -> None:
         assert int(row[1]) >= 40
         assert float(row[2]) > 0
         assert float(row[5]) == 1.0
-    levels = json.loads(out.read_text())["levels"]
+    levels = figures["levels"]
     assert set(levels) == {"1", "8", "32"}
     for level in levels.values():
         median = level["median"]
@@ -52,27 +41,10 @@ def test_quick_episode_bench_prints_a_row_per_level(tmp_path: Path) -> None:
 
 def _run_workplace(tmp_path: Path, *mode: str) -> tuple[list[str], dict]:
     """`bench/episodes.py --env workplace --quick <mode>`: its summary lines (after the blank line) and JSON."""
-    out = tmp_path / "workplace.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "episodes.py"),
-            "--env",
-            "workplace",
-            *mode,
-            "--quick",
-            "--json",
-            str(out),
-        ],
-        cwd=tmp_path,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
-    return lines[lines.index("") + 1 :], json.loads(out.read_text())
+    args = ["--env", "workplace", *mode]
+    stdout, figures = run_quick("episodes.py", tmp_path, timeout=240, args=args, cwd=tmp_path, env=without_pythonpath())
+    lines = stdout.splitlines()
+    return lines[lines.index("") + 1 :], figures
 
 
 def _check_side(side: dict, rounds: int = 1) -> None:

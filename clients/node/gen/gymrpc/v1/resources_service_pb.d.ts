@@ -99,6 +99,15 @@ export declare type SeedSessionRequest = Message<"gymrpc.v1.SeedSessionRequest">
    * @generated from field: gymrpc.v1.Task task = 3;
    */
   task?: Task | undefined;
+
+  /**
+   * Return the session's snapshot after the seed in the reply (`snapshot`),
+   * saving a `CheckpointSession` call. A server that does not advertise
+   * `GetSessionCheckpointingResponse.snapshot_in_replies` ignores it.
+   *
+   * @generated from field: bool return_snapshot = 4;
+   */
+  returnSnapshot: boolean;
 };
 
 /**
@@ -127,6 +136,15 @@ export declare type SeedSessionResponse = Message<"gymrpc.v1.SeedSessionResponse
    * @generated from field: repeated gymrpc.v1.Message observations = 2;
    */
   observations: Message$1[];
+
+  /**
+   * The session's state right after the seed, when `return_snapshot` asked
+   * for it; unset otherwise (and from a server that does not know the field:
+   * call `CheckpointSession` then).
+   *
+   * @generated from field: gymrpc.v1.SessionSnapshot snapshot = 3;
+   */
+  snapshot?: SessionSnapshot | undefined;
 };
 
 /**
@@ -161,6 +179,16 @@ export declare type CallToolRequest = Message<"gymrpc.v1.CallToolRequest"> & {
    * @generated from field: gymrpc.v1.ToolCall call = 3;
    */
   call?: ToolCall | undefined;
+
+  /**
+   * Return the session's snapshot after this call in the reply (`snapshot`),
+   * saving a `CheckpointSession` call. A retry de-duplicated by `call.id` gets
+   * the state after the first call, or FAILED_PRECONDITION if the session has
+   * changed since.
+   *
+   * @generated from field: bool return_snapshot = 4;
+   */
+  returnSnapshot: boolean;
 };
 
 /**
@@ -189,6 +217,15 @@ export declare type CallToolResponse = Message<"gymrpc.v1.CallToolResponse"> & {
    * @generated from field: bool is_error = 2;
    */
   isError: boolean;
+
+  /**
+   * The session's state right after this call, when `return_snapshot` asked
+   * for it; unset otherwise (and from a server that does not know the field:
+   * call `CheckpointSession` then).
+   *
+   * @generated from field: gymrpc.v1.SessionSnapshot snapshot = 3;
+   */
+  snapshot?: SessionSnapshot | undefined;
 };
 
 /**
@@ -230,6 +267,16 @@ export declare type StepRequest = Message<"gymrpc.v1.StepRequest"> & {
    * @generated from field: gymrpc.v1.Message message = 4;
    */
   message?: Message$1 | undefined;
+
+  /**
+   * Return the session's snapshot after this turn in the reply (`snapshot`),
+   * saving a `CheckpointSession` call. A retry de-duplicated by `turn_id` gets
+   * the state after the first turn, or FAILED_PRECONDITION if the session has
+   * changed since.
+   *
+   * @generated from field: bool return_snapshot = 5;
+   */
+  returnSnapshot: boolean;
 };
 
 /**
@@ -264,6 +311,15 @@ export declare type StepResponse = Message<"gymrpc.v1.StepResponse"> & {
    * @generated from field: bool truncated = 3;
    */
   truncated: boolean;
+
+  /**
+   * The session's state right after this turn, when `return_snapshot` asked
+   * for it; unset otherwise (and from a server that does not know the field:
+   * call `CheckpointSession` then).
+   *
+   * @generated from field: gymrpc.v1.SessionSnapshot snapshot = 4;
+   */
+  snapshot?: SessionSnapshot | undefined;
 };
 
 /**
@@ -428,6 +484,14 @@ export declare type GetSessionCheckpointingResponse = Message<"gymrpc.v1.GetSess
    * @generated from field: uint32 format_version = 4;
    */
   formatVersion: number;
+
+  /**
+   * `SeedSession`, `CallTool` and `Step` return the session's snapshot in
+   * their replies when the request sets `return_snapshot`.
+   *
+   * @generated from field: bool snapshot_in_replies = 5;
+   */
+  snapshotInReplies: boolean;
 };
 
 /**
