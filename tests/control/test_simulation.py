@@ -58,8 +58,9 @@ RETIRE_STAGE = {kind: stage for stage, kinds in enumerate(RETIRE_ORDER) for kind
 STEPS = 40
 FAST_SEEDS = 20
 SLOW_SEEDS = int(os.environ.get("SIM_SLOW_SEEDS", "60"))
-MISS, SHORT, LONG = 0.05, 0.15, 3.0
-"""Control deadlines: a prepare with a blocker misses MISS and a hung write SHORT on purpose; LONG never."""
+MISS, SHORT, LONG = 0.05, 0.15, 60.0
+"""Control deadlines: a prepare with a blocker misses MISS and a hung write SHORT on purpose; LONG never
+(it bounds calls that return on their own, so a loaded machine's slowness never reaches it)."""
 
 
 @dataclass(frozen=True)
@@ -245,14 +246,15 @@ class Simulation:
 
     @classmethod
     def expect_failure(cls, faults: str, error: CoordinationError) -> None:
-        """A failed write fails only its participant; a hung one fails its own (others may miss SHORT too,
-        and on a busy machine SHORT can pass in the prepare, before any commit)."""
+        """A failed write fails only its participant; a hung one fails its own, and others may miss SHORT
+        too: on a busy machine SHORT can pass before a call reaches the hung participant at all (in the
+        prepare, or in a non-stop commit, where the hung write comes only later)."""
         assert faults, f"a commit without injected faults failed: {error}"
         name = faults.split(" on ")[1].rstrip(")")
         if faults.startswith(" (fail"):
             assert list(error.failures) == [name], error
         else:
-            assert name in error.failures or (error.operation == "prepare" and cls.missed(error)), error
+            assert name in error.failures or cls.missed(error), error
 
     def scope(self) -> list[EpisodeKey]:
         return sorted(e.key for e in self.live.values())
@@ -558,7 +560,7 @@ def simulate(seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: 
     root.mkdir()
     sim = Simulation(seed, root, Writes(monkeypatch))
     with report(sim):
-        asyncio.run(asyncio.wait_for(sim.run(steps), 120))
+        asyncio.run(asyncio.wait_for(sim.run(steps), 900))  # a hang, not a slow machine, ends here
 
 
 def _seeds() -> list[int]:

@@ -398,16 +398,19 @@ COMPACTION_KILLED = textwrap.dedent(
                 for step in range(12):
                     _grow(record, step)
                     await store.save(lease, record)
-        store.compact_min_bytes, store.compact_ratio = 1, 1.0
+        async with store.lease("c0") as lease:
+            record = await store.load(lease)
+            await store.save(lease, record)  # revision 13, durable before compaction is allowed
         real_unlink = os.unlink
         def die(path, *a, **k):
             if str(path).endswith(".seg"):
                 os.kill(os.getpid(), signal.SIGKILL)  # the new segment is durable, the old ones not yet deleted
             return real_unlink(path, *a, **k)
         os.unlink = die
-        async with store.lease("c0") as lease:
-            record = await store.load(lease)
-            await store.save(lease, record)
+        # The commit thread checks for compaction after each batch: the next batch sets it off.
+        store.compact_min_bytes, store.compact_ratio = 1, 1.0
+        async with store.lease("trigger") as lease:
+            await store.save(lease, _record("trigger"))
         await asyncio.sleep(60)
 
     asyncio.run(main())
