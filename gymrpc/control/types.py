@@ -126,6 +126,15 @@ PREPARE_ORDER: tuple[Kind, ...] = (Kind.ENVIRONMENT, Kind.MODEL, Kind.AGENT, Kin
 """Environments park first; the model then holds and cuts, so agents waiting on it reach a
 boundary; resources go last because agents and environments call them until they park."""
 RESUME_ORDER: tuple[Kind, ...] = tuple(reversed(PREPARE_ORDER))
+CALLERS: dict[Kind, tuple[Kind, ...]] = {
+    Kind.ENVIRONMENT: (),
+    Kind.AGENT: (Kind.ENVIRONMENT,),
+    Kind.MODEL: (Kind.ENVIRONMENT, Kind.AGENT),
+    Kind.RESOURCES: (Kind.ENVIRONMENT, Kind.AGENT),
+}
+"""The kinds whose work calls each kind. A member resumed early delivers what it held (a model's
+replies) to its callers, so it may resume only once every caller captured; a caller resumed before
+its callees is safe, since its calls wait at their closed admission until they resume."""
 RETIRE_ORDER: tuple[tuple[Kind, ...], ...] = ((Kind.ENVIRONMENT,), (Kind.AGENT,), (Kind.MODEL, Kind.RESOURCES))
 """Callers before callees, so no retired caller can re-create state in a callee already retired."""
 
