@@ -15,7 +15,8 @@ import grpc
 from gymrpc.control import ControlPlane, Participant, Scope, collection
 from gymrpc.control.index import manifest_path
 from gymrpc.control.plane import DEFAULT_LEASE_GRACE, Placement
-from gymrpc.control.types import episode_keys, packed_episode_keys
+from gymrpc.control.scope import PackedScope
+from gymrpc.control.types import checked_packed_scope, episode_keys
 from gymrpc.errors import InvalidArgument
 from gymrpc.pbtime import request_seconds, timestamp
 from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding
@@ -40,7 +41,10 @@ def _deadline(
 
 
 def commit_scope(request: pb.CommitRequest) -> Scope:
-    """The episodes a Commit continues, from either form; None: every parked one (no explicit scope)."""
+    """The episodes a Commit continues, from either form; None: every parked one (no explicit scope).
+
+    The packed form is checked here and made a set only when a participant first uses it
+    (`PackedScope`), which a capture that takes its state whole leaves to the write."""
     if request.scope_rollout_ids or request.scope_attempts:
         if request.episode_ids:
             raise InvalidArgument(
@@ -48,10 +52,12 @@ def commit_scope(request: pb.CommitRequest) -> Scope:
                 "send one form (the packed one to participants whose GetStatus says accepts_packed_scope)",
                 metadata={"field": "scope_rollout_ids"},
             )
-        listed = packed_episode_keys(request.scope_rollout_ids, request.scope_attempts)
+        listed: Scope = PackedScope(*checked_packed_scope(request.scope_rollout_ids, request.scope_attempts))
     else:
         listed = frozenset(episode_keys(request.episode_ids))
-    return listed if request.explicit_scope or listed else None
+    if request.explicit_scope or request.scope_rollout_ids or request.episode_ids:
+        return listed
+    return None
 
 
 class ParticipantServicer(pb_grpc.ParticipantServiceServicer):

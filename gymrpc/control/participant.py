@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,8 +58,10 @@ from gymrpc.control.marks import RetiredAttempts
 from gymrpc.control.types import EpisodeKey, Kind, Report
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 
-Scope = frozenset[EpisodeKey] | None
-"""Episodes a commit continues; None means every parked episode."""
+Scope = AbstractSet[EpisodeKey] | None
+"""Episodes a commit continues; None means every parked episode. A `frozenset`, or a
+`scope.PackedScope`, which becomes one on first use: a capture that can leave the scope to its
+`records()` (the write's worker thread) keeps it out of the pause."""
 
 
 @dataclass(frozen=True)

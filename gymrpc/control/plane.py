@@ -519,7 +519,7 @@ class ControlPlane:
                 "resume and prepare again",
                 reason="INVALID_PHASE",
             )
-        if scope is not None and (named := sorted(scope & set(report.restarts))):
+        if scope is not None and report.restarts and (named := sorted(e for e in report.restarts if e in scope)):
             raise FailedPrecondition(
                 f"the commit scope names episodes that can only restart: {', '.join(map(str, named[:10]))}",
                 reason="RESTART_IN_SCOPE",
