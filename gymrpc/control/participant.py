@@ -48,7 +48,7 @@ What the hooks mean for an agent (kind AGENT; resources and model are implemente
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -79,6 +79,10 @@ class Capture:
     """Makes the records one by one (a generator): the write pauses between them to let the event loop run."""
     episodes: int = 0
     """How many episodes (or sessions) it holds, for logs."""
+    settle: Callable[[], Awaitable[None]] | None = None
+    """For a capture taken copy-on-write: takes, on the event loop after the resume, the state of
+    everything not changed since the capture (what changed was taken before it changed). The
+    write awaits it before `build`; awaiting it again does nothing."""
 
     def records(self) -> list[rec_pb.CheckpointRecord]:
         return list(self.build())
@@ -139,7 +143,10 @@ class Participant(abc.ABC):
 
     async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
         """Records of the parked episodes in `scope`, one or more per episode: `capture(scope).records()`."""
-        return (await self.capture(scope)).records()
+        capture = await self.capture(scope)
+        if capture.settle is not None:
+            await capture.settle()
+        return capture.records()
 
     async def delete_restored(self, scope: Scope) -> None:  # noqa: B027 - optional hook
         """Free restored-but-unclaimed state of episodes outside `scope` (no mark)."""

@@ -534,6 +534,8 @@ class ControlPlane:
             crash_point("persist_before_write")
         started = time.perf_counter()
         try:
+            if write.capture is not None and write.capture.settle is not None:
+                await write.capture.settle()  # copy-on-write: what the episodes did not change yet
             manifest = await asyncio.to_thread(self._build_and_write, write)
             write.capture, write.stage = None, _Stage.WRITTEN
             if write.background:

@@ -30,6 +30,7 @@ from gymrpc.envkit import (
     VerifyResult,
 )
 from gymrpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from gymrpc.servers.resources.frozen import FrozenSessions
 
 T = TypeVar("T")
 MAX_CLOSED_REMEMBERED = 100_000
@@ -74,6 +75,8 @@ class SessionHost:
         self._slots: dict[str, Slot] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"env-{environment.name}")
+        self.frozen = FrozenSessions()
+        """Open copy-on-write captures: told before any session changes (`_changing`)."""
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -159,6 +162,7 @@ class SessionHost:
         async with slot.lock:
             if self._slots.get(session_id) is not slot:
                 return False
+            self._changing(session_id, slot)
             del self._slots[session_id]
             self._remember_closed(session_id)
         await self.run(slot.session.close)
@@ -185,6 +189,7 @@ class SessionHost:
             key = f"call:{call_id}"
             if call_id and key in slot.results:
                 return slot.results[key]
+            self._changing(session_id, slot)
             if bad_arguments is not None:
                 result = ToolResult(bad_arguments, is_error=True)
             else:
@@ -201,6 +206,7 @@ class SessionHost:
             key = f"turn:{turn_id}"
             if turn_id and key in slot.results:
                 return slot.results[key]
+            self._changing(session_id, slot)
             try:
                 result = await self.run(slot.session.step, text)
             except ToolError as exc:
@@ -211,6 +217,7 @@ class SessionHost:
     async def verify(self, session_id: str, episode: EpisodeKey, messages: Sequence[Mapping[str, Any]]) -> VerifyResult:
         slot = self.slot(session_id, episode)
         async with slot.lock:
+            self._changing(session_id, slot)
             try:
                 result = await self.run(slot.session.verify, messages)
             except Exception:  # not a cancelled call: the verify itself may still finish
@@ -218,6 +225,10 @@ class SessionHost:
                 raise
             slot.verify_failed = False
             return result
+
+    def _changing(self, session_id: str, slot: Slot) -> None:
+        """Every path that changes a live session (its state, replies or flags) calls this first."""
+        self.frozen.before_change(session_id, slot)
 
     @staticmethod
     def _remember(slot: Slot, key: str, result: Any) -> None:
@@ -264,6 +275,8 @@ class SessionHost:
             with contextlib.suppress(Exception):
                 await self.run(session.close)
             raise not_owner(session_id)
+        if old is not None:
+            self._changing(session_id, old)
         self._slots[session_id] = Slot(session, episode, f"restored:{digest}", reply)
         self._closed.pop(session_id, None)
         if old is not None:
