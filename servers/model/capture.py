@@ -115,19 +115,23 @@ class CaptureLedger:
 
     def __init__(self, max_episodes: int = MAX_LEDGER_EPISODES) -> None:
         self.max_episodes = max_episodes
-        self._rows: OrderedDict[EpisodeKey, tuple[rec_pb.CaptureRow, ...]] = OrderedDict()
-        """Never changed in place (a row is added by replacing the tuple), so a copy of the dict is a capture."""
+        self._rows: dict[EpisodeKey, tuple[rec_pb.CaptureRow, ...]] = {}
+        """Never changed in place (a row is added by replacing the tuple), so a copy of the dict is a capture:
+        a plain dict, which copies 20 times faster than an `OrderedDict` (0.06 ms against 1.3 at 2,500)."""
+        self._order: OrderedDict[EpisodeKey, None] = OrderedDict()
+        """The episodes, least recently recorded first (which one to forget past `max_episodes`)."""
         self._count = 0
         self._tokens = 0
 
     def record(self, episode: EpisodeKey, row: rec_pb.CaptureRow) -> None:
         rows = self._rows
         rows[episode] = (*rows.get(episode, ()), row)
-        rows.move_to_end(episode)
+        self._order[episode] = None
+        self._order.move_to_end(episode)
         self._count += 1
         self._tokens += len(row.tokens.completion_token_ids)
-        while len(self._rows) > self.max_episodes:
-            self._forget(self._rows.popitem(last=False)[1])
+        while len(self._order) > self.max_episodes:
+            self._forget(self._rows.pop(self._order.popitem(last=False)[0], ()))
 
     def _forget(self, rows: Iterable[rec_pb.CaptureRow]) -> None:
         for row in rows:
@@ -138,7 +142,7 @@ class CaptureLedger:
         return list(self._rows.get(episode, ()))
 
     def episodes(self) -> list[EpisodeKey]:
-        return list(self._rows)
+        return list(self._order)
 
     def frozen(self, episodes: Collection[EpisodeKey] | None = None) -> dict[EpisodeKey, tuple[rec_pb.CaptureRow, ...]]:
         """The rows of `episodes` (None: every episode) as they are now; a row is never changed once recorded."""
@@ -157,12 +161,14 @@ class CaptureLedger:
     def install(self, episode: EpisodeKey, rows: Iterable[rec_pb.CaptureRow]) -> None:
         self._forget(self._rows.get(episode, ()))
         installed = self._rows[episode] = tuple(rows)
+        self._order[episode] = None
         self._count += len(installed)
         self._tokens += sum(len(r.tokens.completion_token_ids) for r in installed)
 
     def drop(self, episodes: Iterable[EpisodeKey]) -> None:
         for episode in episodes:
             self._forget(self._rows.pop(episode, ()))
+            self._order.pop(episode, None)
 
     def __len__(self) -> int:
         return self._count

@@ -196,7 +196,7 @@ class ResourcesParticipant(Participant):
             return Capture.of([])
         if self.mode is CheckpointMode.EXPORTED and self.tables is None:
             slots = self.host.live()
-            if all(kind.capture is not Session.capture for kind in {type(slot.session) for slot in slots.values()}):
+            if all(kind.capture is not Session.capture for kind in self.host.session_types):
                 return self._capture_on_write(slots, scope)
         chosen = [
             (session_id, slot)

@@ -76,6 +76,8 @@ class SessionHost:
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"env-{environment.name}")
         self.frozen = FrozenSessions()
+        self.session_types: set[type[Session]] = set()
+        """Every class of session this host ever held (a capture checks them all at once, not each session)."""
         """Open copy-on-write captures: told before any session changes (`_changing`)."""
 
     def __len__(self) -> int:
@@ -151,6 +153,7 @@ class SessionHost:
             await self.run(session.close)
             return await self.seed(session_id, episode, task, fingerprint, reply)
         slot = Slot(session, episode, fingerprint, reply(observations))
+        self.session_types.add(type(session))
         self._slots[session_id] = slot
         self._closed.pop(session_id, None)
         return slot.seed_reply
@@ -277,6 +280,7 @@ class SessionHost:
             raise not_owner(session_id)
         if old is not None:
             self._changing(session_id, old)
+        self.session_types.add(type(session))
         self._slots[session_id] = Slot(session, episode, f"restored:{digest}", reply)
         self._closed.pop(session_id, None)
         if old is not None:
@@ -303,5 +307,6 @@ class SessionHost:
         if clash:
             raise AlreadyExists(f"sessions {clash[:5]} are already live; nothing was installed")
         self._slots.update(slots)
+        self.session_types.update(type(slot.session) for slot in slots.values())
         for session_id in slots:
             self._closed.pop(session_id, None)
