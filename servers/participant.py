@@ -126,7 +126,7 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         )
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> pb.ResumeResponse:
-        already = await self.plane.resume(request.checkpoint_id)
+        already = await self.plane.resume(request.checkpoint_id, _reply_sent(context))
         return pb.ResumeResponse(phase=pb.PARTICIPANT_PHASE_IDLE, already_resumed=already)
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
@@ -156,6 +156,13 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
     async def Forget(self, request: pb.ForgetRequest, context: grpc.aio.ServicerContext) -> pb.ForgetResponse:
         forgotten = await self.plane.forget(request.checkpoint_id, list(request.rollout_ids))
         return pb.ForgetResponse(forgotten=forgotten)
+
+
+def _reply_sent(context: grpc.aio.ServicerContext | None) -> collection.ReplySent | None:
+    """Calls a function once this RPC's reply went out (its done callback); None without a gRPC context."""
+    if context is None or not hasattr(context, "add_done_callback"):
+        return None
+    return lambda then: context.add_done_callback(lambda _: then())
 
 
 def participant_binding(plane: ControlPlane) -> ServiceBinding:
