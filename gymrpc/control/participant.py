@@ -15,8 +15,11 @@ Contract of each hook, as the plane relies on it:
   parked for it, so it must be cheap); returns a `Capture` of the episodes in `scope` (None:
   every parked episode): references to state that is never changed in place, or copies of
   what is. Must not change state. Its `records()` builds the records later, in a worker
-  thread while the episodes run again. `export(scope)` is `capture(scope).records()`; a role
-  may implement `export` alone (its capture then builds the records at once).
+  thread while the episodes run again; a capture taken copy-on-write has a `settle` the write
+  awaits first, on the event loop. A scope may be a `scope.PackedScope`, a set once first used:
+  testing membership in the pause costs the set, so a capture that can applies it in
+  `records()`. `export(scope)` is `capture(scope).records()` (settled first); a role may
+  implement `export` alone (its capture then builds the records at once).
 - `select(records, scope)`: the records a restore passes to `stage` (default: those of
   the episodes in `scope`; a role whose records are shared by episodes keeps those too).
 - `placement_key(record)`: the affinity key clients route the record's calls by; a restore
