@@ -454,12 +454,13 @@ class Controller:
         waits for the weight versions, which are read while it is parked.
         """
         request = pb.ResumeRequest(checkpoint_id=checkpoint_id)
-        by_kind: dict[Kind, list[asyncio.Future[Any]]] = {}
+        by_kind: dict[Kind | None, list[asyncio.Future[Any]]] = {}
         for m in members:
             by_kind.setdefault(m.kind, []).append(commits[m.label])
 
         async def resume(member: Member) -> pb.ResumeResponse:
-            callers = CALLERS.get(member.kind, tuple(by_kind))
+            known = CALLERS.get(member.kind) if member.kind is not None else None
+            callers = known if known is not None else tuple(by_kind)  # an unknown kind waits for everyone
             waits = [commits[member.label], *(c for k in callers for c in by_kind.get(k, ()))]
             await asyncio.gather(*waits)
             if member.kind is Kind.MODEL:

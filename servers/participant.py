@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -162,7 +163,12 @@ def _reply_sent(context: grpc.aio.ServicerContext | None) -> collection.ReplySen
     """Calls a function once this RPC's reply went out (its done callback); None without a gRPC context."""
     if context is None or not hasattr(context, "add_done_callback"):
         return None
-    return lambda then: context.add_done_callback(lambda _: then())
+
+    def reply_sent(then: Callable[[], None]) -> None:
+        # grpc-stubs type the callback as a class; grpc calls any callable with the context
+        context.add_done_callback(lambda _: then())  # type: ignore[arg-type]
+
+    return reply_sent
 
 
 def participant_binding(plane: ControlPlane) -> ServiceBinding:
