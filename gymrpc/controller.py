@@ -63,6 +63,7 @@ from gymrpc.control.plane import writes_nothing
 from gymrpc.control.store import checkpoint_episodes
 from gymrpc.control.trainer_state import TrainerState, reference
 from gymrpc.control.types import (
+    CALLERS,
     PREPARE_ORDER,
     RECOVERY_DURABLE,
     RECOVERY_LABEL,
@@ -388,13 +389,19 @@ class Controller:
         trainer_state: TrainerState | str | os.PathLike[str] | None = None,
         background: bool = True,
         base: str | Path | None = None,
+        resume: bool = False,
     ) -> Captured:
         """Commit everyone at once; with `background` each member replies once its state is captured
         in memory and writes afterwards (resume may follow at once). Nothing is published: `publish`
         waits for every write and writes the index. The weight versions are read here, while the
         episodes are still parked, so they are those of the capture. `base`: the previous published
         checkpoint of the same root, for an incremental commit (members refer to the records it
-        holds instead of writing them again)."""
+        holds instead of writing them again).
+
+        The lease file, the Commit fan-out and the weight-version reads run side by side. `resume`
+        (with `background`): each member is resumed as soon as it and every member that calls it
+        (`CALLERS`) captured, not once the slowest member did; a failure raises before the rest
+        resume (resume, as the abort, then reaches every member)."""
         deadline = time.time() + timeout
         trainer_ref = None if trainer_state is None else await asyncio.to_thread(reference, trainer_state)
         request = pb.CommitRequest(
@@ -407,17 +414,61 @@ class Controller:
             base_checkpoint_dir="" if base is None else _absolute(base),
         )
         members = await self._members()
-        await asyncio.to_thread(self._lease, Path(request.checkpoint_dir), checkpoint_id, deadline)
         requests = _commit_requests(request, episode_ids, members)
-        replies = await self._fan(
-            "commit",
-            members,
-            lambda m: self._stub(m).Commit(requests[m.packed_scope], timeout=self._left(deadline)),
+        commits = {
+            m.label: asyncio.ensure_future(self._stub(m).Commit(requests[m.packed_scope], timeout=self._left(deadline)))
+            for m in members
+        }
+        versions = asyncio.ensure_future(self._weight_versions(members, deadline))
+        leased = asyncio.ensure_future(
+            asyncio.to_thread(self._lease, Path(request.checkpoint_dir), checkpoint_id, deadline)
         )
-        versions = await self._weight_versions(members, deadline)
+        resumes = self._resume_when_captured(checkpoint_id, members, commits, versions) if resume else {}
+        try:
+            replies = await self._fan("commit", members, lambda m: commits[m.label])
+            weight_versions = await versions
+            await leased
+            if resumes:
+                await self._fan("resume", members, lambda m: resumes[m.label])
+        except BaseException:
+            pending = [*commits.values(), versions, *resumes.values()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(leased, *pending, return_exceptions=True)  # every outcome retrieved
+            raise
         return Captured(
-            checkpoint_id, Path(request.checkpoint_dir), list(members), replies, deadline, versions, trainer_ref
+            checkpoint_id, Path(request.checkpoint_dir), list(members), replies, deadline, weight_versions, trainer_ref
         )
+
+    def _resume_when_captured(
+        self,
+        checkpoint_id: str,
+        members: Sequence[Member],
+        commits: Mapping[str, asyncio.Future[Any]],
+        versions: asyncio.Future[dict[str, str]],
+    ) -> dict[str, asyncio.Future[pb.ResumeResponse]]:
+        """One Resume per member, sent once it and every member of its `CALLERS` kinds captured.
+
+        A callee resumed before its callers captured could deliver what it held to a caller that
+        is then captured past it (a model's reply would move an agent's episode on); a caller
+        resumed early only sends calls that wait at its callees' closed admission. A model also
+        waits for the weight versions, which are read while it is parked.
+        """
+        request = pb.ResumeRequest(checkpoint_id=checkpoint_id)
+        by_kind: dict[Kind | None, list[asyncio.Future[Any]]] = {}
+        for m in members:
+            by_kind.setdefault(m.kind, []).append(commits[m.label])
+
+        async def resume(member: Member) -> pb.ResumeResponse:
+            known = CALLERS.get(member.kind) if member.kind is not None else None
+            callers = known if known is not None else tuple(by_kind)  # an unknown kind waits for everyone
+            waits = [commits[member.label], *(c for k in callers for c in by_kind.get(k, ()))]
+            await asyncio.gather(*waits)
+            if member.kind is Kind.MODEL:
+                await versions
+            return await self._stub(member).Resume(request, timeout=30.0)
+
+        return {m.label: asyncio.ensure_future(resume(m)) for m in members}
 
     async def publish(
         self, captured: Captured, *, timeout: float | None = None
@@ -741,10 +792,10 @@ class Controller:
                         trainer_state=trainer_state,
                         background=background,
                         base=base,
+                        resume=background,  # each member resumes once it and its callers captured
                     )
                     if background:  # the capture is all the episodes waited for
                         resumed = True
-                        await self.resume(checkpoint_id)
                         result.timings["parked"] = time.perf_counter() - started
                     result.manifests, result.index = await self.publish(captured)
                     result.timings["commit_to_publish"] = time.perf_counter() - committing

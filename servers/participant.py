@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 
 import grpc
 
 from gymrpc.control import ControlPlane, Participant, Scope, collection
 from gymrpc.control.index import manifest_path
 from gymrpc.control.plane import DEFAULT_LEASE_GRACE, Placement
-from gymrpc.control.types import episode_keys, packed_episode_keys
+from gymrpc.control.scope import PackedScope
+from gymrpc.control.types import checked_packed_scope, episode_keys
 from gymrpc.errors import InvalidArgument
 from gymrpc.pbtime import request_seconds, timestamp
 from gymrpc.servers.bootstrap import ServerConfig, ServiceBinding
@@ -40,7 +42,10 @@ def _deadline(
 
 
 def commit_scope(request: pb.CommitRequest) -> Scope:
-    """The episodes a Commit continues, from either form; None: every parked one (no explicit scope)."""
+    """The episodes a Commit continues, from either form; None: every parked one (no explicit scope).
+
+    The packed form is checked here and made a set only when a participant first uses it
+    (`PackedScope`), which a capture that takes its state whole leaves to the write."""
     if request.scope_rollout_ids or request.scope_attempts:
         if request.episode_ids:
             raise InvalidArgument(
@@ -48,10 +53,12 @@ def commit_scope(request: pb.CommitRequest) -> Scope:
                 "send one form (the packed one to participants whose GetStatus says accepts_packed_scope)",
                 metadata={"field": "scope_rollout_ids"},
             )
-        listed = packed_episode_keys(request.scope_rollout_ids, request.scope_attempts)
+        listed: Scope = PackedScope(*checked_packed_scope(request.scope_rollout_ids, request.scope_attempts))
     else:
         listed = frozenset(episode_keys(request.episode_ids))
-    return listed if request.explicit_scope or listed else None
+    if request.explicit_scope or request.scope_rollout_ids or request.episode_ids:
+        return listed
+    return None
 
 
 class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
@@ -120,7 +127,7 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
         )
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> pb.ResumeResponse:
-        already = await self.plane.resume(request.checkpoint_id)
+        already = await self.plane.resume(request.checkpoint_id, _reply_sent(context))
         return pb.ResumeResponse(phase=pb.PARTICIPANT_PHASE_IDLE, already_resumed=already)
 
     async def Restore(self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext) -> pb.RestoreResponse:
@@ -150,6 +157,18 @@ class ParticipantServicer(pb_grpc.ParticipantServiceServicer):
     async def Forget(self, request: pb.ForgetRequest, context: grpc.aio.ServicerContext) -> pb.ForgetResponse:
         forgotten = await self.plane.forget(request.checkpoint_id, list(request.rollout_ids))
         return pb.ForgetResponse(forgotten=forgotten)
+
+
+def _reply_sent(context: grpc.aio.ServicerContext | None) -> collection.ReplySent | None:
+    """Calls a function once this RPC's reply went out (its done callback); None without a gRPC context."""
+    if context is None or not hasattr(context, "add_done_callback"):
+        return None
+
+    def reply_sent(then: Callable[[], None]) -> None:
+        # grpc-stubs type the callback as a class; grpc calls any callable with the context
+        context.add_done_callback(lambda _: then())  # type: ignore[arg-type]
+
+    return reply_sent
 
 
 def participant_binding(plane: ControlPlane) -> ServiceBinding:

@@ -15,8 +15,11 @@ Contract of each hook, as the plane relies on it:
   parked for it, so it must be cheap); returns a `Capture` of the episodes in `scope` (None:
   every parked episode): references to state that is never changed in place, or copies of
   what is. Must not change state. Its `records()` builds the records later, in a worker
-  thread while the episodes run again. `export(scope)` is `capture(scope).records()`; a role
-  may implement `export` alone (its capture then builds the records at once).
+  thread while the episodes run again; a capture taken copy-on-write has a `settle` the write
+  awaits first, on the event loop. A scope may be a `scope.PackedScope`, a set once first used:
+  testing membership in the pause costs the set, so a capture that can applies it in
+  `records()`. `export(scope)` is `capture(scope).records()` (settled first); a role may
+  implement `export` alone (its capture then builds the records at once).
 - `select(records, scope)`: the records a restore passes to `stage` (default: those of
   the episodes in `scope`; a role whose records are shared by episodes keeps those too).
 - `placement_key(record)`: the affinity key clients route the record's calls by; a restore
@@ -48,7 +51,8 @@ What the hooks mean for an agent (kind AGENT; resources and model are implemente
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,8 +61,10 @@ from gymrpc.control.marks import RetiredAttempts
 from gymrpc.control.types import EpisodeKey, Kind, Report
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 
-Scope = frozenset[EpisodeKey] | None
-"""Episodes a commit continues; None means every parked episode."""
+Scope = AbstractSet[EpisodeKey] | None
+"""Episodes a commit continues; None means every parked episode. A `frozenset`, or a
+`scope.PackedScope`, which becomes one on first use: a capture that can leave the scope to its
+`records()` (the write's worker thread) keeps it out of the pause."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,10 @@ class Capture:
     """Makes the records one by one (a generator): the write pauses between them to let the event loop run."""
     episodes: int = 0
     """How many episodes (or sessions) it holds, for logs."""
+    settle: Callable[[], Awaitable[None]] | None = None
+    """For a capture taken copy-on-write: takes, on the event loop after the resume, the state of
+    everything not changed since the capture (what changed was taken before it changed). The
+    write awaits it before `build`; awaiting it again does nothing."""
 
     def records(self) -> list[rec_pb.CheckpointRecord]:
         return list(self.build())
@@ -136,7 +146,10 @@ class Participant(abc.ABC):
 
     async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
         """Records of the parked episodes in `scope`, one or more per episode: `capture(scope).records()`."""
-        return (await self.capture(scope)).records()
+        capture = await self.capture(scope)
+        if capture.settle is not None:
+            await capture.settle()
+        return capture.records()
 
     async def delete_restored(self, scope: Scope) -> None:  # noqa: B027 - optional hook
         """Free restored-but-unclaimed state of episodes outside `scope` (no mark)."""

@@ -528,7 +528,7 @@ class ControlPlane:
                 "resume and prepare again",
                 reason="INVALID_PHASE",
             )
-        if scope is not None and (named := sorted(scope & set(report.restarts))):
+        if scope is not None and report.restarts and (named := sorted(e for e in report.restarts if e in scope)):
             raise FailedPrecondition(
                 f"the commit scope names episodes that can only restart: {', '.join(map(str, named[:10]))}",
                 reason="RESTART_IN_SCOPE",
@@ -543,6 +543,8 @@ class ControlPlane:
             crash_point("persist_before_write")
         started = time.perf_counter()
         try:
+            if write.capture is not None and write.capture.settle is not None:
+                await write.capture.settle()  # copy-on-write: what the episodes did not change yet
             manifest = await asyncio.to_thread(self._build_and_write, write)
             write.capture, write.stage = None, _Stage.WRITTEN
             if write.background:
@@ -600,8 +602,11 @@ class ControlPlane:
 
     # -- resume ------------------------------------------------------------------------------
 
-    async def resume(self, checkpoint_id: str) -> bool:
-        """Reopen admission, aborting the checkpoint if it was not committed; True if already resumed."""
+    async def resume(self, checkpoint_id: str, reply_sent: collection.ReplySent | None = None) -> bool:
+        """Reopen admission, aborting the checkpoint if it was not committed; True if already resumed.
+
+        `reply_sent`: how to learn that the Resume reply went out (the servicer's RPC context); the
+        cyclic collector, held since a background commit, comes back then (at once without it)."""
         check_id(checkpoint_id, "checkpoint_id")
         async with self._lock:
             outcome = self.fence.resume_outcome(checkpoint_id)
@@ -613,11 +618,11 @@ class ControlPlane:
                     self.awaiting_restore = False
                     await self.participant.open_admission()
                 return False
-            await self._reopen(checkpoint_id)
+            await self._reopen(checkpoint_id, reply_sent)
             return False
 
-    async def _reopen(self, checkpoint_id: str) -> None:
-        collection.release_after_reply(self)  # held since a background commit (`gymrpc.control.collection`)
+    async def _reopen(self, checkpoint_id: str, reply_sent: collection.ReplySent | None = None) -> None:
+        collection.release_after_reply(self, reply_sent)  # held since a background commit (`collection`)
         if (captured := self._persisting.get(checkpoint_id)) is not None and captured.stage is _Stage.CAPTURED:
             # Its write goes on (the capture is the commit): on persist, or soon without one.
             asyncio.get_running_loop().call_later(WRITE_AFTER_RESUME, self._start_captured, captured)

@@ -70,7 +70,15 @@ def episode_keys(episode_ids: Iterable[common_pb2.EpisodeId], field: str = "epis
 def packed_episode_keys(
     rollout_ids: Sequence[str], attempts: Sequence[int], field: str = "scope_rollout_ids"
 ) -> frozenset[EpisodeKey]:
-    """Validate a packed scope (`CommitRequest.scope_rollout_ids` and `scope_attempts`), as a set.
+    """Validate a packed scope (`CommitRequest.scope_rollout_ids` and `scope_attempts`), as a set."""
+    ids, numbers = checked_packed_scope(rollout_ids, attempts, field)
+    return frozenset(map(tuple.__new__, repeat(EpisodeKey), zip(ids, numbers, strict=True)))
+
+
+def checked_packed_scope(
+    rollout_ids: Sequence[str], attempts: Sequence[int], field: str = "scope_rollout_ids"
+) -> tuple[list[str], list[int]]:
+    """Validate a packed scope: its two lists, checked (`scope.PackedScope` makes them a set when used).
 
     The form exists so that a commit of thousands of episodes costs one pass over two flat lists
     while they are parked: one regex pass over every id, one `max` over the attempts, and each
@@ -89,7 +97,7 @@ def packed_episode_keys(
     if numbers and (min(numbers) < 0 or max(numbers) > MAX_ATTEMPT):
         for index, attempt in enumerate(numbers):
             check_attempt(attempt, f"scope_attempts[{index}]")
-    return frozenset(map(tuple.__new__, repeat(EpisodeKey), zip(ids, numbers, strict=True)))
+    return ids, numbers
 
 
 def packed_scope(episodes: Iterable[EpisodeKey]) -> tuple[list[str], list[int]]:
@@ -126,6 +134,15 @@ PREPARE_ORDER: tuple[Kind, ...] = (Kind.ENVIRONMENT, Kind.MODEL, Kind.AGENT, Kin
 """Environments park first; the model then holds and cuts, so agents waiting on it reach a
 boundary; resources go last because agents and environments call them until they park."""
 RESUME_ORDER: tuple[Kind, ...] = tuple(reversed(PREPARE_ORDER))
+CALLERS: dict[Kind, tuple[Kind, ...]] = {
+    Kind.ENVIRONMENT: (),
+    Kind.AGENT: (Kind.ENVIRONMENT,),
+    Kind.MODEL: (Kind.ENVIRONMENT, Kind.AGENT),
+    Kind.RESOURCES: (Kind.ENVIRONMENT, Kind.AGENT),
+}
+"""The kinds whose work calls each kind. A member resumed early delivers what it held (a model's
+replies) to its callers, so it may resume only once every caller captured; a caller resumed before
+its callees is safe, since its calls wait at their closed admission until they resume."""
 RETIRE_ORDER: tuple[tuple[Kind, ...], ...] = ((Kind.ENVIRONMENT,), (Kind.AGENT,), (Kind.MODEL, Kind.RESOURCES))
 """Callers before callees, so no retired caller can re-create state in a callee already retired."""
 

@@ -135,6 +135,10 @@ class Session(abc.ABC):
         The default encodes at once (`export`, in the host's thread pool unless `runs_inline`).
         Override it when taking the state costs less than encoding it (copy a few numbers, keep
         an immutable value): the override runs on the server's event loop and must not block.
+        With an override, the capture is copy-on-write: `capture` is called after the episodes
+        resume, just before the first call that changes the session, or later while nothing has
+        (`gymrpc.servers.resources.frozen`), and a failure there fails the checkpoint's write,
+        not that call.
         """
         payload = self.export()
         return lambda: payload

@@ -28,7 +28,16 @@ from gymrpc.errors import DataLoss, FailedPrecondition
 from gymrpc.messages import message_to_dict
 from gymrpc.servers.model import spans as version_spans
 from gymrpc.servers.model.backends.base import Completion, Conversation, Finish, Sampling
-from gymrpc.servers.model.capture import FINISH_OF, CaptureLedger, CutView, Generation, RestoredCuts, request_digest
+from gymrpc.servers.model.capture import (
+    FINISH_OF,
+    CaptureLedger,
+    CutsView,
+    CutView,
+    Generation,
+    RestoredCuts,
+    cuts_of,
+    request_digest,
+)
 from gymrpc.servers.model.flights import Flight
 from gymrpc.servers.model.requests import Checked
 from gymrpc.servers.model.service import ModelServicer
@@ -196,17 +205,13 @@ class ModelParticipant(Participant):
         return out
 
     async def capture(self, scope: Scope) -> Capture:
-        parked = self._parked()
-        episodes = scope if scope is not None else frozenset({*parked, *self.ledger.episodes(), *self.cuts.episodes()})
+        """Copies of the ledger's and the cuts' dicts (their values never change) and the parked
+        generations: no work per episode while they are parked; the scope is applied by `records()`."""
+        rows = self.ledger.view()
         build = functools.partial(
-            _records,
-            episodes,
-            self.ledger.frozen(scope),
-            parked,
-            self.cuts.frozen(episodes),
-            self.backend.weight_version,
+            _captured_records, scope, rows, self._parked(), self.cuts.view(), self.backend.weight_version
         )
-        return Capture(build, len(episodes))
+        return Capture(build, len(rows))
 
     async def delete_restored(self, scope: Scope) -> None:
         if scope is None:
@@ -302,6 +307,20 @@ class ModelParticipant(Participant):
             **self.backend.status_details(),
             "weight_version": self.backend.weight_version,
         }
+
+
+def _captured_records(
+    scope: Scope,
+    rows: Mapping[EpisodeKey, Sequence[rec_pb.CaptureRow]],
+    parked: Mapping[EpisodeKey, Sequence[CutView]],
+    cuts: CutsView,
+    weight_version: str,
+) -> Iterator[rec_pb.CheckpointRecord]:
+    """A capture's records (worker thread): the episodes of `scope` (None: every one it knows), from the views."""
+    episodes = scope
+    if episodes is None:
+        episodes = frozenset({*parked, *rows, *(EpisodeKey(r, a) for (r, _), (a, _) in cuts.items())})
+    yield from _records(episodes, rows, parked, cuts_of(cuts, episodes), weight_version)
 
 
 def _records(

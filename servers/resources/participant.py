@@ -57,6 +57,7 @@ from gymrpc.envkit import (
 from gymrpc.errors import DataLoss, FailedPrecondition, GymrpcError
 from gymrpc.ids import check_id
 from gymrpc.messages import task_spec, tool_definition
+from gymrpc.servers.resources.frozen import Frozen
 from gymrpc.servers.resources.service import SNAPSHOT_PROTOCOL_VERSION, ResourcesServicer, session_snapshot
 from gymrpc.servers.resources.sessions import EpisodeKey as HostKey
 from gymrpc.servers.resources.sessions import Slot
@@ -193,6 +194,10 @@ class ResourcesParticipant(Participant):
     async def capture(self, scope: Scope) -> Capture:
         if self.mode is CheckpointMode.RESTART_ONLY:
             return Capture.of([])
+        if self.mode is CheckpointMode.EXPORTED and self.tables is None:
+            slots = self.host.live()
+            if all(kind.capture is not Session.capture for kind in self.host.session_types):
+                return self._capture_on_write(slots, scope)
         chosen = [
             (session_id, slot)
             for session_id, slot in self.host.live().items()
@@ -216,6 +221,22 @@ class ResourcesParticipant(Participant):
             items.append((session_id, slot.episode, tuple(slot.results.items()), state))
         fmt = self.host.require_snapshots() if exported else None
         return Capture(functools.partial(_session_records, fmt, items), len(items))
+
+    def _capture_on_write(self, slots: dict[str, Slot], scope: Scope) -> Capture:
+        """Sessions with their own cheap `Session.capture`: the table of live sessions, copy-on-write.
+
+        Each session's state is taken before its first change after this (`frozen.FrozenSessions`),
+        or by `settle` after the resume; the scope and the sessions whose verify raised are left
+        out when the records are built. Nothing per session happens while the episodes are parked.
+        """
+        fmt = self.host.require_snapshots()
+        frozen = self.host.frozen.freeze(slots, self._take)
+        build = functools.partial(_frozen_records, fmt, frozen, scope)
+        return Capture(build, len(slots), settle=functools.partial(self.host.frozen.settle, frozen))
+
+    def _take(self, session_id: str, slot: Slot) -> tuple[HostKey, Results, bool, Callable[[], bytes]]:
+        """One session's state as it stands (at the capture: nothing changed it since)."""
+        return slot.episode, tuple(slot.results.items()), slot.verify_failed, self._captured(session_id, slot.session)
 
     @staticmethod
     def _captured(session_id: str, session: Session) -> Callable[[], bytes]:
@@ -397,6 +418,20 @@ def _session_records(
                 raise FailedPrecondition(f"session {session_id!r}: {exc}", reason="SNAPSHOT_UNSUPPORTED") from None
             body.snapshot.CopyFrom(session_snapshot(fmt, payload))
         yield rec_pb.CheckpointRecord(episode_id=_key(episode).to_pb(), resources_session=body)
+
+
+def _frozen_records(fmt: SnapshotFormat, frozen: Frozen, scope: Scope) -> Iterator[rec_pb.CheckpointRecord]:
+    """A copy-on-write capture's records (worker thread, once settled): the sessions of `scope`."""
+    if not frozen.settled:
+        raise RuntimeError("a copy-on-write capture was built before it settled")
+    items = []
+    for session_id, taken in frozen.taken.items():
+        if isinstance(taken, Exception):
+            raise taken
+        episode, results, verify_failed, state = taken
+        if not verify_failed and (scope is None or (episode.rollout_id, episode.attempt) in scope):
+            items.append((session_id, episode, results, state))
+    yield from _session_records(fmt, items)
 
 
 @dataclass(frozen=True)

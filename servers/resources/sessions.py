@@ -30,6 +30,7 @@ from gymrpc.envkit import (
     VerifyResult,
 )
 from gymrpc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from gymrpc.servers.resources.frozen import FrozenSessions
 
 T = TypeVar("T")
 MAX_CLOSED_REMEMBERED = 100_000
@@ -79,6 +80,10 @@ class SessionHost:
         self._slots: dict[str, Slot] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"env-{environment.name}")
+        self.frozen = FrozenSessions()
+        self.session_types: set[type[Session]] = set()
+        """Every class of session this host ever held (a capture checks them all at once, not each session)."""
+        """Open copy-on-write captures: told before any session changes (`_changing`)."""
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -153,6 +158,7 @@ class SessionHost:
             await self.run(session.close)
             return await self.seed(session_id, episode, task, fingerprint, reply)
         slot = Slot(session, episode, fingerprint, reply(observations), last_change=SEED)
+        self.session_types.add(type(session))
         self._slots[session_id] = slot
         self._closed.pop(session_id, None)
         return slot.seed_reply
@@ -164,6 +170,7 @@ class SessionHost:
         async with slot.lock:
             if self._slots.get(session_id) is not slot:
                 return False
+            self._changing(session_id, slot)
             del self._slots[session_id]
             self._remember_closed(session_id)
         await self.run(slot.session.close)
@@ -197,6 +204,7 @@ class SessionHost:
             if call_id and key in slot.results:
                 result = slot.results[key]
             else:
+                self._changing(session_id, slot)
                 slot.last_change = key  # from here on the session may differ from before this call
                 if bad_arguments is not None:
                     result = ToolResult(bad_arguments, is_error=True)
@@ -221,6 +229,7 @@ class SessionHost:
             if turn_id and key in slot.results:
                 result = slot.results[key]
             else:
+                self._changing(session_id, slot)
                 slot.last_change = key  # from here on the session may differ from before this turn
                 try:
                     result = await self.run(slot.session.step, text)
@@ -256,6 +265,7 @@ class SessionHost:
     async def verify(self, session_id: str, episode: EpisodeKey, messages: Sequence[Mapping[str, Any]]) -> VerifyResult:
         slot = self.slot(session_id, episode)
         async with slot.lock:
+            self._changing(session_id, slot)
             slot.last_change = ""  # an environment's verify may change the session
             try:
                 result = await self.run(slot.session.verify, messages)
@@ -264,6 +274,10 @@ class SessionHost:
                 raise
             slot.verify_failed = False
             return result
+
+    def _changing(self, session_id: str, slot: Slot) -> None:
+        """Every path that changes a live session (its state, replies or flags) calls this first."""
+        self.frozen.before_change(session_id, slot)
 
     @staticmethod
     def _remember(slot: Slot, key: str, result: Any) -> None:
@@ -310,6 +324,9 @@ class SessionHost:
             with contextlib.suppress(Exception):
                 await self.run(session.close)
             raise not_owner(session_id)
+        if old is not None:
+            self._changing(session_id, old)
+        self.session_types.add(type(session))
         self._slots[session_id] = Slot(session, episode, f"restored:{digest}", reply)
         self._closed.pop(session_id, None)
         if old is not None:
@@ -336,5 +353,6 @@ class SessionHost:
         if clash:
             raise AlreadyExists(f"sessions {clash[:5]} are already live; nothing was installed")
         self._slots.update(slots)
+        self.session_types.update(type(slot.session) for slot in slots.values())
         for session_id in slots:
             self._closed.pop(session_id, None)

@@ -93,8 +93,8 @@ class FakeAgent(Participant):
         return Report(blockers=tuple(sorted(self.running)), counts={"episodes": len(self.steps)})
 
     async def capture(self, scope: Scope) -> Capture:
-        steps = {e: n for e, n in self.steps.items() if scope is None or e in scope}  # ints: a copy is the capture
-        return Capture(functools.partial(_fake_records, steps), len(steps))
+        steps = dict(self.steps)  # ints: a copy is the capture; the scope is applied by the write
+        return Capture(functools.partial(_fake_records, steps, scope), len(steps))
 
     def not_fresh(self) -> str | None:
         return f"it holds {len(self.steps)} episodes" if self.steps else super().not_fresh()
@@ -124,8 +124,10 @@ class FakeAgent(Participant):
                 self.drop(episode)
 
 
-def _fake_records(steps: dict[EpisodeKey, int]) -> Iterator[rec_pb.CheckpointRecord]:
+def _fake_records(steps: dict[EpisodeKey, int], scope: Scope) -> Iterator[rec_pb.CheckpointRecord]:
     for episode, count in sorted(steps.items()):
+        if scope is not None and episode not in scope:
+            continue
         record = rec_pb.CheckpointRecord(episode_id=episode.to_pb())
         record.other.type_url = AGENT_STATE_URL
         record.other.value = json.dumps({"steps": count}).encode()

@@ -166,23 +166,26 @@ def test_the_collector_is_held_until_the_last_holder_releases_it_and_left_as_fou
     assert not collection.held()
 
 
-def test_a_resume_lets_the_collector_go_after_its_reply() -> None:
+def test_a_resume_lets_the_collector_go_once_its_reply_was_sent() -> None:
     async def main() -> None:
-        holder = object()
+        holder, sent = object(), []
         collection.hold(holder)
-        collection.release_after_reply(holder)
+        collection.release_after_reply(holder, sent.append)
         assert collection.held()
         assert not gc.isenabled()
+        sent.pop()()  # the reply went out
         await collection.released(holder)
         assert not collection.held()
         assert gc.isenabled()
         collection.hold(holder)
-        collection.release_after_reply(holder)
+        collection.release_after_reply(holder, sent.append)
         collection.hold(holder)  # the next commit came first: the hold goes on
+        sent.pop()()  # the first resume's reply went out later: it lets nothing go
         await collection.released(holder)
         assert collection.held()
         assert not gc.isenabled()
-        collection.release(holder)
+        collection.release_after_reply(holder)  # no reply to wait for (a lease ran out): at once
+        assert not collection.held()
         assert gc.isenabled()
 
     asyncio.run(main())

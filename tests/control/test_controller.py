@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gymrpc.control import ControlPlane, EpisodeKey, Kind, Phase, Scope
+from gymrpc.control.types import CALLERS
 from gymrpc.controller import Controller, CoordinationError
 from gymrpc.errors import FailedPrecondition
 from gymrpc.servers.participant import ParticipantServicer
@@ -37,6 +38,7 @@ class Logged(Scripted):
         await super().open_admission()
 
     async def export(self, scope: Scope) -> list[rec_pb.CheckpointRecord]:
+        self.log.append(("capture", self.name))
         return [rec_pb.CheckpointRecord(episode_id=E0.to_pb())]
 
     async def retire(self, episodes: Sequence[EpisodeKey]) -> None:
@@ -67,10 +69,10 @@ def test_prepare_in_order_resume_in_reverse_and_stop_at_the_first_stage_not_read
         controller, parts, _ = deployment(log)
         members = await controller.discover()
         assert [m.kind for m in members] == [Kind.ENVIRONMENT, Kind.MODEL, Kind.AGENT, Kind.RESOURCES]
-        result = await controller.checkpoint(tmp_path, episode_ids=[E0], checkpoint_id="c1")
+        result = await controller.checkpoint(tmp_path, episode_ids=[E0], checkpoint_id="c1", nonstop=False)
         assert result.committed
         assert sorted(result.manifests) == sorted(NAMES)
-        assert log == [
+        assert [e for e in log if e[0] != "capture"] == [
             *(("close", n) for n in ("env/a", "model/a", "agent/a", "resources/a")),
             *(("open", n) for n in ("resources/a", "agent/a", "model/a", "env/a")),
         ]
@@ -81,6 +83,26 @@ def test_prepare_in_order_resume_in_reverse_and_stop_at_the_first_stage_not_read
         assert result.prepare.blockers() == {"agent/a": [E0]}
         assert ("close", "resources/a") not in log  # the resources stage was never reached
         assert all(p.admission.is_open for p in parts.values())  # aborted: everyone open again
+
+    asyncio.run(main())
+
+
+def test_a_nonstop_checkpoint_resumes_each_member_once_it_and_its_callers_captured(tmp_path: Path) -> None:
+    """Not all after the slowest capture, nor staged: a member never opens before it and every member
+    that calls it captured (`CALLERS`), so no held reply reaches a caller not yet captured."""
+
+    async def main() -> None:
+        log: list[tuple[str, str]] = []
+        controller, _, _ = deployment(log)
+        result = await controller.checkpoint(tmp_path, episode_ids=[E0], checkpoint_id="c1")
+        assert result.committed
+        assert result.index is not None
+        assert log[:4] == [("close", n) for n in ("env/a", "model/a", "agent/a", "resources/a")]
+        for name, kind in NAMES.items():
+            opened = log.index(("open", name))
+            waited_for = [n for n, k in NAMES.items() if k in (kind, *CALLERS[kind])]
+            assert all(log.index(("capture", n)) < opened for n in waited_for), (name, log)
+        assert sorted(e for e in log if e[0] == "open") == sorted(("open", n) for n in NAMES)
 
     asyncio.run(main())
 

@@ -9,8 +9,9 @@ installs fail. After every step it checks the invariants of the reference's simu
 (`nemo-gym.md` §4):
 
 - all participants are open whenever all are idle;
-- prepare closes in order (environment, model, agent, resources), resume reopens in reverse,
-  retire reaches callers before callees;
+- prepare closes in order (environment, model, agent, resources), resume reopens in reverse
+  (a non-stop checkpoint instead reopens each member once it and its callers captured: no
+  caller ever captures after a callee reopened), retire reaches callers before callees;
 - after a retire every participant refuses the attempt (status marks and data-plane calls);
 - a commit returns only continued episodes;
 - every manifest on disk verifies (size, sha256, count, decode);
@@ -47,6 +48,7 @@ import pytest
 from gymrpc.control import PREPARE_ORDER, RESUME_ORDER, RETIRE_ORDER, EpisodeKey, Kind, Phase
 from gymrpc.control import store as store_module
 from gymrpc.control.index import INDEX, index_sources, read_index
+from gymrpc.control.types import CALLERS
 from gymrpc.controller import CoordinationError
 from gymrpc.errors import GymrpcError, InvalidArgument, NotFound
 from tests.control.deployment import Deployment, FakeAgent, Node
@@ -113,6 +115,8 @@ class Simulation:
         self.seed, self.rng, self.root, self.writes = seed, random.Random(seed), root, writes
         self.log: list[str] = []
         self.events: list[tuple[str, Kind]] = []
+        self.nonstop = False
+        """The step is a non-stop checkpoint: its members reopen as they and their callers capture."""
         self.deployment: Deployment | None = None
         self.live: dict[str, Episode] = {}
         self.retired: dict[str, int] = {}
@@ -147,6 +151,7 @@ class Simulation:
         """Log every admission close and open of `node`, with its kind, for the order checks."""
         participant = node.participant
         close, reopen, retire = participant.close_admission, participant.open_admission, participant.retire
+        capture = participant.capture
 
         async def logged_close() -> None:
             self.events.append(("close", node.kind))
@@ -160,6 +165,11 @@ class Simulation:
             self.events.append(("retire", node.kind))
             await retire(episodes)
 
+        async def logged_capture(scope: Any) -> Any:
+            self.events.append(("capture", node.kind))
+            return await capture(scope)
+
+        participant.capture = logged_capture  # type: ignore[method-assign]
         participant.close_admission = logged_close
         participant.open_admission = logged_open
         participant.retire = logged_retire
@@ -178,6 +188,7 @@ class Simulation:
 
     async def step(self) -> None:
         self.events.clear()
+        self.nonstop = False
         self.writes.settle()
         choices: list[tuple[str, int]] = [("start", 4), ("checkpoint", 3), ("crash", 1)]
         if self.open is None:
@@ -266,7 +277,7 @@ class Simulation:
         blocked = any(e.running for e in self.live.values())
         timeout = MISS if blocked else SHORT if faults.startswith(" (hang") else LONG
         snapshot = dict(self.live)
-        nonstop = self.modes.random() < 0.5
+        nonstop = self.nonstop = self.modes.random() < 0.5
         mode = "non-stop" if nonstop else "stop-the-world"
         try:
             result = await self.d.controller.checkpoint(
@@ -514,7 +525,12 @@ class Simulation:
         opens = [RESUME_ORDER.index(k) for op, k in self.events if op == "open"]
         if action in ("checkpoint", "prepare"):
             assert closes == sorted(closes), f"prepare closed out of order: {self.events}"
-        assert opens == sorted(opens), f"resume reopened out of order: {self.events}"
+        if not self.nonstop:  # a non-stop checkpoint (this step's, at "end" the last one's) reopens as members capture
+            assert opens == sorted(opens), f"resume reopened out of order: {self.events}"
+        for index, (op, kind) in enumerate(self.events):
+            if op == "open":  # a callee reopened before a caller captured would hand it held replies
+                late = [k for o, k in self.events[index:] if o == "capture" and k in CALLERS[kind]]
+                assert not late, f"{kind.name} reopened before its callers {late} captured: {self.events}"
         retires = [RETIRE_STAGE[k] for op, k in self.events if op == "retire"]
         assert retires == sorted(retires), f"retire reached a callee before its callers: {self.events}"
         for name, status in statuses.items():
