@@ -132,7 +132,7 @@ def build_app(workers: int = 8) -> FastAPI:
                     problem = f"Error: arguments of {call.name} must be a JSON object"
             except json.JSONDecodeError as exc:
                 problem = f"Error: arguments of {call.name} are not valid JSON: {exc}"
-        result = await host.call_tool(session_id, key, call.id, call.name, arguments, problem)
+        result, _ = await host.call_tool(session_id, key, call.id, call.name, arguments, problem)
         return CallToolResult(output=result.output, is_error=result.is_error)
 
     return app

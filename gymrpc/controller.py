@@ -466,7 +466,10 @@ class Controller:
             await asyncio.gather(*waits)
             if member.kind is Kind.MODEL:
                 await versions
-            return await self._stub(member).Resume(request, timeout=30.0)
+            with tracing.span(
+                "checkpoint.resume", **{"gymrpc.operation_id": checkpoint_id, "gymrpc.member": member.label}
+            ):
+                return await self._stub(member).Resume(request, timeout=30.0)
 
         return {m.label: asyncio.ensure_future(resume(m)) for m in members}
 

@@ -230,5 +230,11 @@ def test_a_checkpoint_is_one_trace_of_its_phases(spans: InMemorySpanExporter, tm
     assert root.attributes is not None
     assert root.attributes["gymrpc.operation_id"] == "c1"
     phases = [s.name for s in finished if s.parent is not None and s.parent.span_id == root.context.span_id]
-    # The commit only captures: the episodes resume before the write is published.
-    assert phases == ["checkpoint.prepare", "checkpoint.commit", "checkpoint.resume", "checkpoint.publish"]
+    # The commit only captures: the episodes resume before the write is published, each member inside
+    # the commit as soon as it and its callers captured.
+    assert phases == ["checkpoint.prepare", "checkpoint.commit", "checkpoint.publish"]
+    [commit] = [s for s in finished if s.name == "checkpoint.commit"]
+    assert commit.context is not None
+    resumed = [s for s in finished if s.parent is not None and s.parent.span_id == commit.context.span_id]
+    assert resumed
+    assert {s.name for s in resumed} == {"checkpoint.resume"}
