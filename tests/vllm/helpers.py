@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -196,6 +198,25 @@ class OpenAIServer:
             time.sleep(0.5)
         raise TimeoutError(f"the vLLM server was not healthy in {timeout:.0f} s:\n{self.log_path.read_text()[-4000:]}")
 
+    @contextmanager
+    def engine_stopped(self) -> Iterator[None]:
+        """The engine's processes stopped (SIGSTOP), the API server still answering.
+
+        Nothing generates meanwhile, so an abort sent now reaches a request that is still running,
+        however busy the machine: the tests' way to abort "mid-generation" without a race.
+        """
+        engine = [pid for pid in _group_members(self.process.pid) if pid != self.process.pid]
+        if not engine:
+            raise RuntimeError("the vLLM server has no engine process to stop")
+        for pid in engine:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in engine:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -205,3 +226,19 @@ class OpenAIServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.close()
+
+
+def _group_members(group: int) -> list[int]:
+    """The live processes of a process group, from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == group:
+            members.append(int(entry.name))
+    return members

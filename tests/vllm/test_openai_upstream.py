@@ -5,7 +5,8 @@ on the real thing: `/v1/completions` with a token-id prompt, `return_token_ids`,
 (the sampled token's logprob, no alternatives), and `/abort_requests` by the engine's id
 `cmpl-<request_id>-0`, keeping the partial. The random tiny model babbles without ending, so
 aborted generations are long. Streaming chunks arrive in bursts on a 2-core machine, so
-aborts are triggered by the upstream's own progress, never by chunk timing.
+aborts are triggered by the upstream's own progress, never by chunk timing, and sent while the
+engine is stopped (SIGSTOP), so a busy machine cannot let it finish first.
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ def test_abort_by_the_engine_request_id_keeps_the_partial(upstream: OpenAIServer
         """One abort mid-generation; None when the generation ended before the abort reached it."""
         backend = OpenAIBackend(upstream.url, dev_abort=True)
         try:
+            generated = await _generated_tokens(upstream)
             call = asyncio.ensure_future(backend.generate(PROMPT, long, request_id))
-            if not await _until_running(upstream, call):
+            if not await _until_generating(upstream, call, generated):
                 await call
                 return None
-            aborted = await backend.abort(request_id)
+            with upstream.engine_stopped():
+                aborted = await backend.abort(request_id)
             completion = await asyncio.wait_for(call, 60)
             if completion.finish is Finish.LENGTH:
                 return None  # the engine finished first: the abort came too late to tell anything
@@ -82,8 +85,8 @@ def test_abort_by_the_engine_request_id_keeps_the_partial(upstream: OpenAIServer
             await backend.close()
 
     async def run() -> tuple[Completion, bool, bool]:
-        # Unary calls give no sign of progress but the upstream's metrics, which a busy machine
-        # can read too late; a late attempt is retried, a wrong one fails below.
+        # Unary calls give no sign of progress but the upstream's metrics; the engine is stopped
+        # while the abort is sent, so only a generation that ended before the stop is retried.
         for n in range(4):
             if (result := await attempt(f"unary-abort-{n}")) is not None:
                 return result
@@ -118,10 +121,11 @@ def test_abort_of_a_stream_ends_it_with_abort_and_its_tokens(upstream: OpenAISer
 
             task = asyncio.ensure_future(consume())
             await asyncio.wait_for(streaming.wait(), 60)
-            assert await backend.abort(request_id)
+            with upstream.engine_stopped():
+                assert await backend.abort(request_id)
             await asyncio.wait_for(task, 60)
             # On a busy machine the engine can generate all 1800 tokens while this reader is still at
-            # its first chunk: then the abort came too late to tell anything.
+            # its first chunk, before the engine was stopped: then the abort tells nothing.
             return None if finish is Finish.LENGTH and len(ids) == long.max_tokens else (ids, finish)
         finally:
             await backend.close()
@@ -137,19 +141,23 @@ def test_abort_of_a_stream_ends_it_with_abort_and_its_tokens(upstream: OpenAISer
     assert 0 < len(ids) < 1800
 
 
-async def _until_running(upstream: OpenAIServer, call: asyncio.Future[Any], timeout: float = 30.0) -> bool:
-    """Until the upstream reports a running request and has generated for a moment; False if `call` ended first."""
+async def _generated_tokens(upstream: OpenAIServer) -> float:
+    """The upstream's count of generated tokens, from its metrics."""
     import httpx
 
-    deadline = asyncio.get_running_loop().time() + timeout
     async with httpx.AsyncClient(base_url=upstream.url) as http:
-        while asyncio.get_running_loop().time() < deadline and not call.done():
-            metrics = (await http.get("/metrics")).text
-            running = [line for line in metrics.splitlines() if line.startswith("vllm:num_requests_running")]
-            if any(float(line.rsplit(" ", 1)[1]) >= 1 for line in running):
-                await asyncio.sleep(0.2)  # some tokens, far from 1800 (~300 tok/s)
-                return not call.done()
-            await asyncio.sleep(0.02)
-    if call.done():
-        return False
-    raise TimeoutError("the upstream never reported the request running")
+        metrics = (await http.get("/metrics")).text
+    lines = [line for line in metrics.splitlines() if line.startswith("vllm:generation_tokens_total")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+async def _until_generating(upstream: OpenAIServer, call: asyncio.Future[Any], before: float) -> bool:
+    """Until the upstream generated tokens since `before` (the call's first ones); False if `call` ended first."""
+    deadline = asyncio.get_running_loop().time() + 600
+    while not call.done():
+        if await _generated_tokens(upstream) > before:
+            return not call.done()
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("the upstream generated nothing in 600 s")
+        await asyncio.sleep(0.02)
+    return False
