@@ -77,14 +77,16 @@ def packed_episode_keys(
 
 def checked_packed_scope(
     rollout_ids: Sequence[str], attempts: Sequence[int], field: str = "scope_rollout_ids"
-) -> tuple[list[str], list[int]]:
+) -> tuple[Sequence[str], list[int]]:
     """Validate a packed scope: its two lists, checked (`scope.PackedScope` makes them a set when used).
 
     The form exists so that a commit of thousands of episodes costs one pass over two flat lists
-    while they are parked: one regex pass over every id, one `max` over the attempts, and each
-    one alone only to name the first invalid one. Lists of different lengths are refused.
+    while they are parked: one regex pass over every id, `min` and `max` over the attempts, and each
+    one alone only to name the first invalid one. Lists of different lengths are refused. The ids
+    are returned as given (a request's repeated field is not copied while the episodes wait); the
+    attempts as a list, since `min`/`max` over a protobuf container cost 4x a copy of it.
     """
-    ids, numbers = list(rollout_ids), list(attempts)
+    ids, numbers = rollout_ids, list(attempts)
     if len(ids) != len(numbers):
         raise InvalidArgument(
             f"{field} has {len(ids)} entries but scope_attempts has {len(numbers)}: "
