@@ -15,7 +15,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -198,7 +197,7 @@ class OpenAIServer:
             time.sleep(0.5)
         raise TimeoutError(f"the vLLM server was not healthy in {timeout:.0f} s:\n{self.log_path.read_text()[-4000:]}")
 
-    @contextmanager
+    @contextlib.contextmanager
     def engine_stopped(self) -> Iterator[None]:
         """The engine's processes stopped (SIGSTOP), the API server still answering.
 
