@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,6 +84,29 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@contextlib.contextmanager
+def _signalled(pids: Iterable[int], now: signal.Signals, after: signal.Signals) -> Iterator[None]:
+    targets = list(pids)
+    for pid in targets:
+        os.kill(pid, now)
+    try:
+        yield
+    finally:
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, after)
+
+
+def processes_stopped(pids: Iterable[int]) -> contextlib.AbstractContextManager[None]:
+    """`pids` stopped (SIGSTOP) meanwhile, continued (SIGCONT) after: frozen, not killed."""
+    return _signalled(pids, signal.SIGSTOP, signal.SIGCONT)
+
+
+def processes_continued(pids: Iterable[int]) -> contextlib.AbstractContextManager[None]:
+    """Stopped `pids` run (SIGCONT) meanwhile and are stopped (SIGSTOP) again after."""
+    return _signalled(pids, signal.SIGCONT, signal.SIGSTOP)
 
 
 def free_port() -> int:
@@ -198,8 +221,8 @@ class OpenAIServer:
         raise TimeoutError(f"the vLLM server was not healthy in {timeout:.0f} s:\n{self.log_path.read_text()[-4000:]}")
 
     @contextlib.contextmanager
-    def engine_stopped(self) -> Iterator[None]:
-        """The engine's processes stopped (SIGSTOP), the API server still answering.
+    def engine_stopped(self) -> Iterator[list[int]]:
+        """The engine's processes stopped (SIGSTOP), the API server still answering; yields their pids.
 
         Nothing generates meanwhile, so an abort sent now reaches a request that is still running,
         however busy the machine: the tests' way to abort "mid-generation" without a race.
@@ -207,14 +230,8 @@ class OpenAIServer:
         engine = [pid for pid in _group_members(self.process.pid) if pid != self.process.pid]
         if not engine:
             raise RuntimeError("the vLLM server has no engine process to stop")
-        for pid in engine:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            for pid in engine:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+        with processes_stopped(engine):
+            yield engine
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -45,17 +45,20 @@ class Collected:
         self.versions: set[str] = set()
         self.deltas = 0
 
+    def add(self, delta: CompletionDelta) -> None:
+        self.deltas += 1
+        self.token_ids += delta.token_ids
+        assert delta.logprobs is not None
+        assert len(delta.logprobs) == len(delta.token_ids)
+        self.logprobs += delta.logprobs
+        self.versions.add(delta.weight_version)
+        if delta.finish is not None:
+            assert self.finish is None, "a second final delta"
+            self.finish = delta.finish
+
     async def drain(self, stream: AsyncIterator[CompletionDelta], on_token: Any = None) -> Collected:
         async for delta in stream:
-            self.deltas += 1
-            self.token_ids += delta.token_ids
-            assert delta.logprobs is not None
-            assert len(delta.logprobs) == len(delta.token_ids)
-            self.logprobs += delta.logprobs
-            self.versions.add(delta.weight_version)
-            if delta.finish is not None:
-                assert self.finish is None, "a second final delta"
-                self.finish = delta.finish
+            self.add(delta)
             if on_token is not None:
                 await on_token(self)
         return self
@@ -113,13 +116,44 @@ def test_abort_before_the_engine_knows_the_request_still_stops_it(backend: Any, 
         await asyncio.sleep(0)  # the stream registered its run; the engine has not seen the request yet
         assert await backend.abort("early")
         got = Collected()
-        got.token_ids += (await first).token_ids
+        got.add(await first)
         return await got.drain(stream)
 
     got = loop_thread.run(run(), timeout=60)
     assert got.finish is Finish.ABORT
     assert len(got.token_ids) < 100  # not the 1500 it would run to if the abort had been lost
     assert not loop_thread.run(backend.abort("early"))  # over: nothing to abort
+
+
+def test_an_abort_before_the_first_output_ends_the_stream_while_the_engine_produces_nothing(
+    backend: Any, loop_thread: Any
+) -> None:
+    """A checkpoint's cut must not wait for a request's first token (a paused engine, a long queue):
+    the stream ends at once, and the engine's request is aborted once it shows up."""
+    if not backend.supports_pause:
+        pytest.skip("this vLLM release has no pause_generation")
+    long = Sampling(max_tokens=1500, temperature=0.0)
+
+    async def run() -> Collected:
+        await backend.pause("keep")
+        try:
+            stream = backend.stream(PROMPT.token_ids, long, "queued")
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0)  # the stream registered its run; vLLM has not registered the request yet
+            assert await backend.abort("queued")
+            got = Collected()
+            got.add(await asyncio.wait_for(first, 60))  # paused: no output of the engine ended it
+            await got.drain(stream)
+        finally:
+            await backend.resume()
+        async with asyncio.timeout(60):
+            while backend.in_flight():  # noqa: ASYNC110 - the engine request, aborted at its first output
+                await asyncio.sleep(0.05)
+        return got
+
+    got = loop_thread.run(run(), timeout=180)
+    assert got.finish is Finish.ABORT
+    assert got.token_ids == []
 
 
 def test_pause_keep_freezes_generation_and_resume_continues_it_unchanged(backend: Any, loop_thread: Any) -> None:

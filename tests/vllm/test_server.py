@@ -30,7 +30,7 @@ from gymrpc.testing.scripted import counter_rows
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import model_service_pb2 as pb
-from tests.vllm.helpers import START_TIMEOUT, VllmStack, alive, descendants, model_server_args
+from tests.vllm.helpers import START_TIMEOUT, VllmStack, alive, descendants, model_server_args, processes_stopped
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -174,10 +174,12 @@ async def _run(client: Client, rollout_id: str, attempt: int = 0) -> Any:
     return (await client.agent("agent/simple").Run(request, timeout=120)).trajectory
 
 
-async def _until_agent_runs(controller: Controller, episodes: int) -> None:
-    """Until the agent holds `episodes` live episodes: a fixed sleep misses a Run still in transit on a busy machine."""
-    async with asyncio.timeout(60):
-        while (await controller.status())["agent/simple"].report.counts["live"] < episodes:  # noqa: ASYNC110
+async def _until_agent_runs(controller: Controller, running: list[asyncio.Future[Any]]) -> None:
+    """Until the agent holds every `running` Run live: a fixed sleep misses a Run still in transit on a busy machine."""
+    async with asyncio.timeout(120):
+        while (await controller.status())["agent/simple"].report.counts["live"] < len(running):
+            if ended := [task for task in running if task.done()]:  # an error would otherwise look like a timeout
+                raise AssertionError(f"a Run ended before the checkpoint: {ended[0].exception() or ended[0].result()}")
             await asyncio.sleep(0.01)  # another process's state: polled over GetStatus
 
 
@@ -194,9 +196,13 @@ def test_checkpoint_sigkill_restore_continues_with_the_ledger_intact(stack: Vllm
             kinds = {m.kind for m in await controller.discover()}
             assert kinds == {Kind.RESOURCES, Kind.MODEL, Kind.AGENT}
             reference = _outcome(await _run(client, "ck-reference"))
-            running = [asyncio.ensure_future(_run(client, r)) for r in rollouts]
-            await _until_agent_runs(controller, len(rollouts))  # all inside their first turns
-            result = await controller.checkpoint(tmp_path, episode_ids=scope, checkpoint_id="ckpt-1", stop=True)
+            # An episode takes a fraction of a second here: with the engine running, the first could end
+            # before the last starts. Stopped, every Run waits in its first Generate until the checkpoint
+            # cuts it (vLLM ends an aborted request at once, without the engine).
+            with processes_stopped(descendants(stack.server(MODEL)["pid"])):
+                running = [asyncio.ensure_future(_run(client, r)) for r in rollouts]
+                await _until_agent_runs(controller, running)
+                result = await controller.checkpoint(tmp_path, episode_ids=scope, checkpoint_id="ckpt-1", stop=True)
             assert result.committed
             assert result.continued == scope, f"not in flight at the checkpoint: {result.restarted}"
             for task in running:  # their calls die with the stack

@@ -6,8 +6,9 @@ The production path (docs/design.md §10). The server renders and parses; this o
 
 - abort keeping the partial tokens: vLLM ends an aborted DELTA stream with a final empty
   output (`finish_reason="abort"`); everything streamed before it is the partial. An abort
-  that arrives before the engine registered the request would be a silent no-op in vLLM,
-  so it is remembered and re-sent once the request exists.
+  that arrives before the request's first output may reach vLLM before it registered the
+  request, a silent no-op there: the stream ends at once with an empty partial, and the
+  request is aborted again once its first output shows it exists.
 - continuation from prompt + partial (the `ModelBackend.continue_stream` default), exact
   under greedy decoding and cheap with the prefix cache;
 - `pause`/`resume` (`pause_generation(mode=...)`) where the engine has them;
@@ -32,6 +33,7 @@ processes started with `spawn`: every entry point that starts it needs a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import importlib.util
 import inspect
@@ -102,6 +104,8 @@ class _Run:
     """An output arrived, so the engine knows the request and an abort reaches it."""
     resend_abort: bool = False
     """Aborted before `registered`: vLLM may have dropped it, so it is sent again."""
+    aborted_early: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by an abort before `registered`: the stream need not wait for the first output to end."""
 
 
 def _is_cpu() -> bool:
@@ -170,6 +174,8 @@ class VllmBackend(ModelBackend):
         self._sampling_params = SamplingParams
         self._delta = RequestOutputKind.DELTA
         self._runs: dict[str, _Run] = {}
+        self._orphans: set[asyncio.Task[None]] = set()
+        """Requests whose stream ended on an early abort, until the engine ends them too."""
         self._serial = itertools.count()
         self._defaults = self._model_defaults()
         self._reaper: subprocess.Popen[bytes] | None = None
@@ -263,11 +269,12 @@ class VllmBackend(ModelBackend):
         self._runs[request_id] = run
         try:
             prompt = self._tokens_prompt(prompt_token_ids=list(prompt_token_ids))
-            outputs = self.engine.generate(prompt, self.sampling_params(sampling), run.engine_id)
-            async for output in self._guarded(outputs):
-                if not run.registered:
-                    run.registered = True
-                    self._note_cached(request_id, getattr(output, "num_cached_tokens", None))
+            outputs = self._guarded(self.engine.generate(prompt, self.sampling_params(sampling), run.engine_id))
+            output = await self._first_output(run, outputs)
+            if output is not None:
+                run.registered = True
+                self._note_cached(request_id, getattr(output, "num_cached_tokens", None))
+            while output is not None:
                 if run.resend_abort and not output.finished:
                     run.resend_abort = False
                     await _maybe_await(self.engine.abort(run.engine_id))
@@ -278,10 +285,44 @@ class VllmBackend(ModelBackend):
                 yield CompletionDelta(ids, logprobs, finish, self._version(completion))
                 if output.finished:
                     return
+                output = await anext(outputs, None)
             yield CompletionDelta((), (), Finish.ABORT, self.weight_version)  # ended without a final output
         finally:
             if self._runs.get(request_id) is run:
                 del self._runs[request_id]
+
+    async def _first_output(self, run: _Run, outputs: AsyncIterator[Any]) -> Any | None:
+        """The request's first output, or None once an abort came first.
+
+        Until its first output a request may be queued behind others (or the engine busy) for
+        long, and a checkpoint's cut must not wait for it: the request is handed to an orphan
+        task that aborts it once it shows up.
+        """
+        first = asyncio.ensure_future(anext(outputs, None))
+        aborted = asyncio.ensure_future(run.aborted_early.wait())
+        try:
+            await asyncio.wait((first, aborted), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            first.cancel()  # the caller went away: vLLM's generator aborts the request
+            raise
+        finally:
+            aborted.cancel()
+        if first.done():
+            return first.result()
+        orphan = asyncio.create_task(self._abort_once_known(run, first, outputs))
+        self._orphans.add(orphan)
+        orphan.add_done_callback(self._orphans.discard)
+        return None
+
+    async def _abort_once_known(self, run: _Run, first: asyncio.Future[Any], outputs: AsyncIterator[Any]) -> None:
+        try:
+            output = await first
+            if output is not None and not output.finished:
+                await _maybe_await(self.engine.abort(run.engine_id))
+                async for _ in outputs:  # to vLLM's final (aborted) output
+                    pass
+        except Exception as exc:  # the engine died or refused it: nothing is left to abort
+            log.debug("an early-aborted request ended with an error", extra={"error": repr(exc)})
 
     async def _guarded(self, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Engine errors as gymrpc errors: a refused request is INVALID_ARGUMENT, a full queue
@@ -328,6 +369,8 @@ class VllmBackend(ModelBackend):
         if run is None:
             return False
         run.resend_abort = not run.registered
+        if not run.registered:
+            run.aborted_early.set()
         await _maybe_await(self.engine.abort(run.engine_id))
         return True
 
@@ -358,7 +401,8 @@ class VllmBackend(ModelBackend):
         return bool(await _maybe_await(self.engine.reset_prefix_cache()))
 
     def in_flight(self) -> int:
-        return len(self._runs)
+        """Requests of this backend the engine may still run: streams, and early-aborted ones it has not ended."""
+        return len(self._runs) + len(self._orphans)
 
     # -- weight updates (`gymrpc.servers.model.weights`) ----------------------------------------------
 
@@ -525,6 +569,8 @@ class VllmBackend(ModelBackend):
         for run in list(self._runs.values()):
             if run.registered:
                 await _maybe_await(self.engine.abort(run.engine_id))
+        for orphan in list(self._orphans):
+            orphan.cancel()
         # On the loop's thread: it cancels the engine's output task. vLLM's default waits 5 s for
         # the engine core to exit before killing it (on 0.32 CPU it always needs the kill), which
         # with the drain outlasts a launcher's stop grace; the engine holds nothing to save.
