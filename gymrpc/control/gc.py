@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gymrpc.control import store
-from gymrpc.control.index import INDEX, _load_index
+from gymrpc.control.index import INDEX, load_index
 from gymrpc.control.types import Kind
+from gymrpc.durable import fsync_folder, make_folders
 from gymrpc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from gymrpc.v1 import participant_service_pb2 as pb
 
@@ -58,7 +59,7 @@ class Verdict:
 
 def write_lease(folder: Path, checkpoint_id: str, until: float) -> None:
     """Mark `folder` as possibly still being published until `until` (replaces an earlier lease)."""
-    store._make_dirs(folder)
+    make_folders(folder)
     temp = folder / f".publishing-{secrets.token_hex(4)}.tmp"
     temp.write_text(json.dumps({"checkpoint_id": checkpoint_id, "until": until}) + "\n")
     os.replace(temp, folder / LEASE)
@@ -171,7 +172,7 @@ def _remove(folder: Path) -> None:
     """Rename, then delete: a writer that is late finds its folder gone rather than half of it."""
     hidden = folder.with_name(f".gc-{folder.name}-{secrets.token_hex(4)}")
     os.rename(folder, hidden)
-    store._fsync_dir(folder.parent)
+    fsync_folder(folder.parent)
     shutil.rmtree(hidden)
 
 
@@ -210,7 +211,7 @@ def newest_published(root: Path) -> Path | None:
         if entry.name.startswith(".") or entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
             continue
         try:
-            when = _load_index(Path(entry.path, INDEX)).create_time.ToNanoseconds() / 1e9
+            when = load_index(Path(entry.path, INDEX)).create_time.ToNanoseconds() / 1e9
         except DataLoss:
             continue  # no index (FileNotFoundError is reported as DataLoss there too), or a damaged one
         if newest is None or when > newest[0]:
@@ -264,7 +265,7 @@ def sweep(
         folder = Path(entry.path)
         if (folder / INDEX).exists():
             try:
-                published.append(_load_index(folder / INDEX).create_time.ToNanoseconds() / 1e9)
+                published.append(load_index(folder / INDEX).create_time.ToNanoseconds() / 1e9)
                 by_time.append((published[-1], folder))
             except DataLoss:
                 continue  # damaged: neither garbage nor a reference point

@@ -114,7 +114,7 @@ def write_index(
         ) from exc
     if created:
         return index
-    existing = _load_index(folder / INDEX)
+    existing = load_index(folder / INDEX)
     same = pb.CheckpointIndex()
     same.CopyFrom(existing)
     same.create_time.CopyFrom(index.create_time)
@@ -147,7 +147,7 @@ def read_index(folder: Path) -> pb.CheckpointIndex:
             reason="CHECKPOINT_INCOMPLETE",
             metadata=where,
         )
-    index = _load_index(path)
+    index = load_index(path)
     problems = []
     if index.schema_version != INDEX_SCHEMA_VERSION:
         problems.append(f"schema {index.schema_version} is not one this controller reads ({INDEX_SCHEMA_VERSION})")
@@ -201,7 +201,7 @@ def index_sources(index: pb.CheckpointIndex) -> dict[str, list[str]]:
     return sources_of((m.name, m.endpoint_id) for m in index.members)
 
 
-def _load_index(path: Path) -> pb.CheckpointIndex:
+def load_index(path: Path) -> pb.CheckpointIndex:
     index = pb.CheckpointIndex()
     try:
         json_format.Parse(safeio.read_regular(path, limit=store.MAX_MANIFEST_BYTES).decode(), index)

@@ -55,6 +55,7 @@ from google.protobuf.message import DecodeError
 from gymrpc import safeio
 from gymrpc.control.faults import crash_point
 from gymrpc.control.types import Kind
+from gymrpc.durable import fsync_folder, make_folders
 from gymrpc.errors import Aborted, DataLoss, InvalidArgument, NotFound
 from gymrpc.ids import ENDPOINT_ID, check_attempt, check_endpoint_id, check_id, check_service_name
 from gymrpc.pbtime import timestamp
@@ -243,7 +244,7 @@ def write_checkpoint(
     """
     folder = participant_dir(root, kind, name, endpoint_id)
     stop.check()  # stopped before it began: create nothing (the folder may be being deleted)
-    _make_dirs(folder)
+    make_folders(folder)
     existing = load_manifest(folder / MANIFEST)
     if existing is not None and existing.checkpoint_id != checkpoint_id:
         raise _conflict(folder, existing, checkpoint_id)
@@ -294,7 +295,7 @@ def write_checkpoint(
                 track.locations[key] = Location(own_path, manifest.sha256, size, index)
         with stop.publishing():
             os.replace(temp, folder / manifest.records_file)
-            _fsync_dir(folder)  # the records file's name is durable before a manifest names it
+            fsync_folder(folder)  # the records file's name is durable before a manifest names it
             crash_point("commit_before_manifest")
             published = _create_manifest(folder, manifest)
         crash_point("commit_after_manifest")
@@ -447,7 +448,7 @@ def create_file(path: Path, text: str) -> bool:
             os.link(temp, path)
         except FileExistsError:
             return False
-        _fsync_dir(path.parent)
+        fsync_folder(path.parent)
         return True
     finally:
         os.unlink(temp)
@@ -579,24 +580,3 @@ def _conflict(folder: Path, existing: pb.CheckpointManifest | None, checkpoint_i
         reason="CHECKPOINT_CONFLICT",
         metadata={"checkpoint_id": checkpoint_id, "existing": other},
     )
-
-
-def _make_dirs(folder: Path) -> None:
-    """Create missing folders and fsync each new one's parent, so the path survives a crash."""
-    missing = []
-    path = folder
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
-    for path in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            path.mkdir()
-        _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

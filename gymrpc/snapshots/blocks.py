@@ -18,6 +18,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from gymrpc.durable import fsync_folder
+
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 GetBlock = Callable[[str], bytes]
 
@@ -99,7 +101,7 @@ class BlockStore:
                 os.unlink(tmp)
             raise
         if self.durable:
-            _fsync_dir(target.parent)
+            fsync_folder(target.parent)
         return digest
 
     def put_many(self, blocks: Iterable[bytes]) -> list[str]:
@@ -114,11 +116,3 @@ class BlockStore:
         if digest_of(data) != digest:
             raise BlockCorrupt(f"block {digest} in {self.root} does not match its sha256", digest)
         return data
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

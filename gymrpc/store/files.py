@@ -31,6 +31,7 @@ from typing import TypeVar
 
 from google.protobuf import timestamp_pb2
 
+from gymrpc.durable import fsync_folder
 from gymrpc.errors import Aborted, FailedPrecondition, GymrpcError, InvalidArgument
 from gymrpc.ids import check_id
 from gymrpc.store import codec, ranges
@@ -116,7 +117,7 @@ class FilesystemEpisodeStore(EpisodeStore):
                 created = True
         if created:
             for folder in (self.episodes, self.root, self.root.parent):
-                _fsync_folder(folder)
+                fsync_folder(folder)
 
     @property
     def stats(self) -> CommitStats:
@@ -209,14 +210,6 @@ class FilesystemEpisodeStore(EpisodeStore):
 
 
 # -- blocking helpers (run in the pool) -------------------------------------------------------
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _lock(path: Path, stale_temp: Path | None = None) -> int:

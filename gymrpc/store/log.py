@@ -56,12 +56,13 @@ from typing import TypeVar
 from google.protobuf import timestamp_pb2
 from google.protobuf.message import DecodeError
 
+from gymrpc.durable import fsync_folder
 from gymrpc.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 from gymrpc.ids import check_id
 from gymrpc.store import codec, fields, frames, ranges
 from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore
 from gymrpc.store.commit import CommitStats
-from gymrpc.store.files import REASON, _fsync_folder, _read, _read_header, _sweep, _unlink
+from gymrpc.store.files import REASON, _read, _read_header, _sweep, _unlink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -286,8 +287,8 @@ class LogEpisodeStore(EpisodeStore):
         marker = self.logs / SCHEME / OWNER
         if not marker.is_dir():
             marker.mkdir(parents=True, exist_ok=True)
-            _fsync_folder(marker.parent)
-            _fsync_folder(self.logs)
+            fsync_folder(marker.parent)
+            fsync_folder(self.logs)
         for name in _log_names(self.logs):
             try:
                 fd = os.open(self.logs / name / OWNER, os.O_RDWR | os.O_CLOEXEC)
@@ -338,9 +339,9 @@ class LogEpisodeStore(EpisodeStore):
         if not ranges.try_lock(fd, 0):
             raise RuntimeError(f"a new log's owner lock {temp / OWNER} is locked by someone else")
         fcntl.flock(fd, fcntl.LOCK_EX)
-        _fsync_folder(temp)
+        fsync_folder(temp)
         os.rename(temp, folder)  # a log folder appears whole, owner lock included
-        _fsync_folder(self.logs)
+        fsync_folder(self.logs)
         return folder, fd
 
     def _recover(self) -> None:
@@ -361,7 +362,7 @@ class LogEpisodeStore(EpisodeStore):
             unfinished = self.index.compaction_segment
             self.index.abandon_compaction()
             _unlink(self.folder / _segment_name(unfinished))
-            _fsync_folder(self.folder)
+            fsync_folder(self.folder)
             seqs = [s for s in seqs if s != unfinished]
         live_from = self._compacted_from(seqs)
         for seq in [s for s in seqs if s < live_from]:
@@ -384,7 +385,7 @@ class LogEpisodeStore(EpisodeStore):
             self._fds[seq] = os.open(self.folder / _segment_name(seq), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             self._bytes += os.fstat(self._fds[seq]).st_size
         self._seq = seqs[-1]
-        _fsync_folder(self.folder)
+        fsync_folder(self.folder)
 
     def _compacted_from(self, seqs: list[int]) -> int:
         """The newest segment that begins a finished compaction (everything before it is garbage)."""
@@ -832,7 +833,7 @@ class LogEpisodeStore(EpisodeStore):
             while view:
                 view = view[os.write(fd, view) :]
             os.fdatasync(fd)
-            _fsync_folder(self.folder)
+            fsync_folder(self.folder)
         except BaseException:
             os.close(fd)
             _unlink(path)
@@ -844,7 +845,7 @@ class LogEpisodeStore(EpisodeStore):
         for old_seq, old_fd in old.items():
             os.close(old_fd)
             _unlink(self.folder / _segment_name(old_seq))
-        _fsync_folder(self.folder)
+        fsync_folder(self.folder)
         self.stats.compactions += 1
         self.stats.fsyncs += 3
         log.info("episode log compacted", extra={"log": str(self.folder), "bytes": len(data), "segment": seq})
@@ -888,7 +889,7 @@ def _create_folders(root: Path, episodes: Path, *others: Path) -> None:
             created = True
     if created:
         for folder in (episodes, root, root.parent):
-            _fsync_folder(folder)
+            fsync_folder(folder)
 
 
 def _write_new_file(target: Path, data: bytes) -> None:
@@ -906,4 +907,4 @@ def _write_new_file(target: Path, data: bytes) -> None:
         os.link(temp, target)  # refuses an existing name
     finally:
         _unlink(temp)
-    _fsync_folder(target.parent)
+    fsync_folder(target.parent)

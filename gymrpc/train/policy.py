@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gymrpc.durable import fsync_folder
 from gymrpc.train.samples import Sample
 
 WEIGHTS_FILES = ("model.safetensors", "config.json", "generation_config.json")
@@ -168,7 +169,7 @@ class Policy:
         _fsync_tree(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
-        _fsync_dir(folder.parent)
+        fsync_folder(folder.parent)
         return folder
 
     def save_state(self, folder: Path) -> None:
@@ -238,12 +239,4 @@ def _fsync_tree(folder: Path) -> None:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
     for path in sorted({p.parent for p in folder.rglob("*")} | {folder}):
-        _fsync_dir(path)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_folder(path)

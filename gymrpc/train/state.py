@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gymrpc.control.trainer_state import FOLDER_MANIFEST
+from gymrpc.durable import fsync_folder
 from gymrpc.train.cursor import DataCursor
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 
@@ -170,7 +171,7 @@ def write_state(checkpoint_dir: Path, state: TrainerState, save_policy: Callable
     if final.exists():  # a retried write of the same checkpoint
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(checkpoint_dir)
+    fsync_folder(checkpoint_dir)
     return final
 
 
@@ -210,11 +211,3 @@ def _write(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
