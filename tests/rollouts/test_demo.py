@@ -37,7 +37,7 @@ def test_demo_completes_every_episode_despite_the_kill(run_dir: Path) -> None:
     assert all(x["ok"] for x in lines)
     # The killed agent's episodes in flight continued from their checkpoints on its new process.
     resumed = [x for x in lines if x["resume_count"] > 0]
-    assert resumed
+    assert resumed, f"no episode continued from a checkpoint:\n{out}\n{_agent_log(run_dir)}"
     assert all(x["episode_id"].startswith("counter-") for x in resumed)
     assert f"resume     {len(resumed)} episodes continued from their last checkpoint" in out
     assert {x["episode_id"] for x in lines} == {
@@ -59,3 +59,9 @@ def test_demo_refuses_a_folder_it_did_not_make(run_dir: Path) -> None:
     assert proc.returncode == 2
     assert "was not made by `gymrpc demo`" in proc.stderr
     assert (run_dir / "precious.txt").read_text() == "keep me"
+
+
+def _agent_log(run_dir: Path) -> str:
+    """The killed agent's log, for a failure's message (its restarts and what it resumed)."""
+    logs = sorted((run_dir / "logs").glob("agent__counter*.log"))
+    return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in logs)
