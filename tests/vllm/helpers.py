@@ -87,26 +87,17 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _signalled(pids: Iterable[int], now: signal.Signals, after: signal.Signals) -> Iterator[None]:
-    targets = list(pids)
-    for pid in targets:
-        os.kill(pid, now)
+def processes_stopped(pids: Iterable[int]) -> Iterator[None]:
+    """`pids` stopped (SIGSTOP) meanwhile, continued (SIGCONT) after: frozen, not killed."""
+    stopped = list(pids)
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        for pid in targets:
+        for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, after)
-
-
-def processes_stopped(pids: Iterable[int]) -> contextlib.AbstractContextManager[None]:
-    """`pids` stopped (SIGSTOP) meanwhile, continued (SIGCONT) after: frozen, not killed."""
-    return _signalled(pids, signal.SIGSTOP, signal.SIGCONT)
-
-
-def processes_continued(pids: Iterable[int]) -> contextlib.AbstractContextManager[None]:
-    """Stopped `pids` run (SIGCONT) meanwhile and are stopped (SIGSTOP) again after."""
-    return _signalled(pids, signal.SIGCONT, signal.SIGSTOP)
+                os.kill(pid, signal.SIGCONT)
 
 
 def free_port() -> int:
