@@ -188,7 +188,7 @@ class OpenAIServer:
             argv += ["--tokenizer", str(model / TOKENIZER_SUBDIR)]
         self.log_path = log
         self.log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+        env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ROOT)}  # test plug-ins
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=self.log, env=env, start_new_session=True)
         try:
             self._wait_healthy(timeout)
@@ -212,8 +212,8 @@ class OpenAIServer:
         raise TimeoutError(f"the vLLM server was not healthy in {timeout:.0f} s:\n{self.log_path.read_text()[-4000:]}")
 
     @contextlib.contextmanager
-    def engine_stopped(self) -> Iterator[list[int]]:
-        """The engine's processes stopped (SIGSTOP), the API server still answering; yields their pids.
+    def engine_stopped(self) -> Iterator[None]:
+        """The engine's processes stopped (SIGSTOP), the API server still answering.
 
         Nothing generates meanwhile, so an abort sent now reaches a request that is still running,
         however busy the machine: the tests' way to abort "mid-generation" without a race.
@@ -222,7 +222,7 @@ class OpenAIServer:
         if not engine:
             raise RuntimeError("the vLLM server has no engine process to stop")
         with processes_stopped(engine):
-            yield engine
+            yield
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -3,15 +3,17 @@
 What `servers/model/backends/openai.py` assumes about vLLM (reference/vllm.md §3) is checked
 on the real thing: `/v1/completions` with a token-id prompt, `return_token_ids`, `logprobs: 0`
 (the sampled token's logprob, no alternatives), and `/abort_requests` by the engine's id
-`cmpl-<request_id>-0`, keeping the partial. The random tiny model babbles without ending, so
-aborted generations are long. Streaming chunks arrive in bursts on a 2-core machine, so
-aborts are triggered by the upstream's own progress, never by chunk timing, and sent while the
-engine is stopped (SIGSTOP), so a busy machine cannot let it finish first.
+`cmpl-<request_id>-0`, keeping the partial. The random tiny model babbles without ending, and
+the upstream runs `tests/vllm/slow_steps.py`, so a long generation takes over a minute: however
+late a busy machine delivers the first tokens (streaming chunks come in bursts on 2 cores), the
+abort that follows them reaches a running request. It is sent while the engine is stopped
+(SIGSTOP), so nothing is generated between the decision and the abort.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from gymrpc.chat import ChatTemplate, default_tokenizer
 from gymrpc.servers.model.backends.base import Completion, Finish, Sampling
 from gymrpc.servers.model.backends.openai import OpenAIBackend
 from tests.vllm.helpers import OpenAIServer
+from tests.vllm.slow_steps import STEP_SECONDS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -31,9 +34,27 @@ PROMPT = ChatTemplate(TOKENIZER).render([{"role": "user", "content": "Tell me a 
 
 @pytest.fixture(scope="module")
 def upstream(random_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAIServer]:
-    server = OpenAIServer(random_model, tmp_path_factory.mktemp("openai") / "vllm.log")
-    yield server
-    server.stop()
+    server = OpenAIServer(
+        random_model,
+        tmp_path_factory.mktemp("openai") / "vllm.log",
+        extra_args=("--logits-processors", "tests.vllm.slow_steps:SlowSteps"),
+    )
+    try:
+        _check_slowed(server)
+        yield server
+    finally:
+        server.stop()
+
+
+def _check_slowed(server: OpenAIServer) -> None:
+    """The abort tests rely on slow steps: fail loudly if the plug-in did not load."""
+    import httpx
+
+    tokens = 10
+    body = {"model": "tiny", "prompt": list(PROMPT), "max_tokens": tokens, "ignore_eos": True}
+    started = time.monotonic()
+    httpx.post(f"{server.url}/v1/completions", json=body, timeout=600).raise_for_status()
+    assert time.monotonic() - started >= tokens * STEP_SECONDS, "the upstream ignored tests.vllm.slow_steps"
 
 
 def test_completions_give_token_ids_and_sampled_logprobs(upstream: OpenAIServer) -> None:
@@ -66,36 +87,25 @@ def test_completions_give_token_ids_and_sampled_logprobs(upstream: OpenAIServer)
 def test_abort_by_the_engine_request_id_keeps_the_partial(upstream: OpenAIServer) -> None:
     long = Sampling(max_tokens=1800, temperature=0.0)
 
-    async def attempt(request_id: str) -> tuple[Completion, bool, bool] | None:
-        """One abort mid-generation; None when the generation ended before the abort reached it."""
+    async def run() -> tuple[Completion, bool, bool]:
         backend = OpenAIBackend(upstream.url, dev_abort=True)
         try:
+            await backend.probe()  # its one-token completion must not pass for the call's first tokens
             generated = await _generated_tokens(upstream)
-            call = asyncio.ensure_future(backend.generate(PROMPT, long, request_id))
-            if not await _until_generating(upstream, call, generated):
-                await call
-                return None
+            call = asyncio.ensure_future(backend.generate(PROMPT, long, "unary-abort"))
+            # A unary call gives no sign of progress but the upstream's metrics.
+            await _until_generating(upstream, call, generated)
             with upstream.engine_stopped():
-                aborted = await backend.abort(request_id)
-            completion = await asyncio.wait_for(call, 60)
-            if completion.finish is Finish.LENGTH:
-                return None  # the engine finished first: the abort came too late to tell anything
-            return completion, aborted, await backend.abort(request_id)
+                aborted = await backend.abort("unary-abort")
+            completion = await asyncio.wait_for(call, 120)
+            return completion, aborted, await backend.abort("unary-abort")
         finally:
             await backend.close()
-
-    async def run() -> tuple[Completion, bool, bool]:
-        # Unary calls give no sign of progress but the upstream's metrics; the engine is stopped
-        # while the abort is sent, so only a generation that ended before the stop is retried.
-        for n in range(4):
-            if (result := await attempt(f"unary-abort-{n}")) is not None:
-                return result
-        raise AssertionError("every generation finished before its abort; the abort never took effect")
 
     completion, aborted, again = asyncio.run(run())
     assert aborted
     assert not again  # finished: nothing left to abort
-    assert completion.finish is Finish.ABORT
+    assert completion.finish is Finish.ABORT, f"{len(completion.token_ids)} tokens, finish {completion.finish}"
     assert 0 < len(completion.token_ids) < 1800
     assert completion.logprobs is not None
     assert len(completion.logprobs) == len(completion.token_ids)
@@ -104,8 +114,7 @@ def test_abort_by_the_engine_request_id_keeps_the_partial(upstream: OpenAIServer
 def test_abort_of_a_stream_ends_it_with_abort_and_its_tokens(upstream: OpenAIServer) -> None:
     long = Sampling(max_tokens=1800, temperature=0.0)
 
-    async def attempt(request_id: str) -> tuple[list[int], Finish | None] | None:
-        """One abort once tokens flow; None when the engine finished before the abort reached it."""
+    async def run() -> tuple[list[int], Finish | None]:
         backend = OpenAIBackend(upstream.url, dev_abort=True)
         try:
             ids: list[int] = []
@@ -114,30 +123,22 @@ def test_abort_of_a_stream_ends_it_with_abort_and_its_tokens(upstream: OpenAISer
 
             async def consume() -> None:
                 nonlocal finish
-                async for delta in backend.stream(PROMPT, long, request_id):
+                async for delta in backend.stream(PROMPT, long, "stream-abort"):
                     ids.extend(delta.token_ids)
                     finish = delta.finish or finish
                     streaming.set()
 
             task = asyncio.ensure_future(consume())
-            await asyncio.wait_for(streaming.wait(), 60)
+            await asyncio.wait_for(streaming.wait(), 120)
             with upstream.engine_stopped():
-                assert await backend.abort(request_id)
-            await asyncio.wait_for(task, 60)
-            # On a busy machine the engine can generate all 1800 tokens while this reader is still at
-            # its first chunk, before the engine was stopped: then the abort tells nothing.
-            return None if finish is Finish.LENGTH and len(ids) == long.max_tokens else (ids, finish)
+                assert await backend.abort("stream-abort")
+            await asyncio.wait_for(task, 120)
+            return ids, finish
         finally:
             await backend.close()
 
-    async def run() -> tuple[list[int], Finish | None]:
-        for n in range(4):
-            if (result := await attempt(f"stream-abort-{n}")) is not None:
-                return result
-        raise AssertionError("every stream finished before its abort; the abort never took effect")
-
     ids, finish = asyncio.run(run())
-    assert finish is Finish.ABORT
+    assert finish is Finish.ABORT, f"{len(ids)} tokens, finish {finish}"
     assert 0 < len(ids) < 1800
 
 
@@ -151,13 +152,12 @@ async def _generated_tokens(upstream: OpenAIServer) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
-async def _until_generating(upstream: OpenAIServer, call: asyncio.Future[Any], before: float) -> bool:
-    """Until the upstream generated tokens since `before` (the call's first ones); False if `call` ended first."""
+async def _until_generating(upstream: OpenAIServer, call: asyncio.Future[Any], before: float) -> None:
+    """Until the upstream generated tokens since `before`: the call's first ones."""
     deadline = asyncio.get_running_loop().time() + 600
-    while not call.done():
-        if await _generated_tokens(upstream) > before:
-            return not call.done()
+    while await _generated_tokens(upstream) <= before:
+        if call.done():
+            raise AssertionError(f"the call ended before the upstream counted a token: {call.result()}")
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError("the upstream generated nothing in 600 s")
         await asyncio.sleep(0.02)
-    return False
