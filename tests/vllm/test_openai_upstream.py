@@ -24,7 +24,6 @@ from gymrpc.chat import ChatTemplate, default_tokenizer
 from gymrpc.servers.model.backends.base import Completion, Finish, Sampling
 from gymrpc.servers.model.backends.openai import OpenAIBackend
 from tests.vllm.helpers import OpenAIServer
-from tests.vllm.slow_steps import STEP_SECONDS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,6 +48,8 @@ def upstream(random_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def _check_slowed(server: OpenAIServer) -> None:
     """The abort tests rely on slow steps: fail loudly if the plug-in did not load."""
     import httpx
+
+    from tests.vllm.slow_steps import STEP_SECONDS  # imports vLLM: only in the tier's venv
 
     tokens = 10
     body = {"model": "tiny", "prompt": list(PROMPT), "max_tokens": tokens, "ignore_eos": True}
