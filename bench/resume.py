@@ -12,7 +12,9 @@ over the timed rounds.
 
 Durability cost is reported three ways:
 - episodes/s ratio on/off (and agent CPU seconds per episode, from /proc; the CPU a
-  boundary adds is the difference to `agent/off` divided by the boundaries per episode);
+  boundary adds is the difference to `agent/off` divided by the boundaries per episode; and
+  the stack's CPU per episode: the agent's plus, during its rounds, the shared resources and
+  model servers' and this client's, which is what a CPU-bound stack's episodes/s follows);
 - bytes per boundary: the store's own count of record bytes written (header + payload)
   divided by the saves it made, and saves (boundaries) and fsyncs per episode; the agent
   logs these counters when it stops gracefully, which the bench parses;
@@ -151,9 +153,14 @@ async def run_round(client: Client, agent: str, label: str, episodes: int, concu
     return episodes / (time.perf_counter() - started)
 
 
+SHARED = ("resources/counter", "model/policy")
+"""The servers every agent shares: their CPU during an agent's rounds is counted to that agent."""
+
+
 async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> dict[str, Any]:
     rates: dict[str, list[float]] = {a: [] for a in agents}
     ran = dict.fromkeys(agents, 0)
+    shared_cpu = dict.fromkeys(agents, 0.0)  # the shared servers' and this client's CPU seconds in the timed rounds
     async with Client(run_dir=stack.run_dir) as client:
         for agent in agents:  # warm-up: connections, the agents' first ListTools/probe, page cache
             await run_round(client, agent, f"warm-{agent.partition('/')[2]}", args.concurrency, args.concurrency)
@@ -162,22 +169,30 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
         for r in range(args.rounds):
             for agent in agents if r % 2 == 0 else reversed(agents):
                 label = f"r{r}-{agent.partition('/')[2]}"
+                start = _shared_cpu_s(stack)
                 rates[agent].append(await run_round(client, agent, label, args.episodes, args.concurrency))
+                shared_cpu[agent] += _shared_cpu_s(stack) - start
                 ran[agent] += args.episodes
                 print(f"  round {r} {agent:13s} {rates[agent][-1]:7.1f} episodes/s", flush=True)
         after = {a: proc_counters(stack.pid(a)) for a in agents}
     timed = args.rounds * args.episodes
-    return {
-        a: {
+    results = {}
+    for a in agents:
+        cpu_ms = 1e3 * (after[a]["cpu_s"] - before[a]["cpu_s"]) / timed
+        results[a] = {
             "episodes_per_s": statistics.median(rates[a]),
             "rounds": rates[a],
             "episodes": ran[a],
-            "cpu_ms_per_episode": 1e3 * (after[a]["cpu_s"] - before[a]["cpu_s"]) / timed,
+            "cpu_ms_per_episode": cpu_ms,
+            "stack_cpu_ms_per_episode": cpu_ms + 1e3 * shared_cpu[a] / timed,
             "disk_bytes_per_episode": (after[a]["write_bytes"] - before[a]["write_bytes"]) / timed,
             "write_syscalls_per_episode": (after[a]["syscw"] - before[a]["syscw"]) / timed,
         }
-        for a in agents
-    }
+    return results
+
+
+def _shared_cpu_s(stack: Stack) -> float:
+    return sum(proc_counters(stack.pid(name))["cpu_s"] for name in SHARED) + time.process_time()
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
@@ -186,6 +201,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     for agent, r in results.items():
         line = (
             f"{agent:13s} {r['episodes_per_s']:7.1f} episodes/s  agent CPU {r['cpu_ms_per_episode']:5.2f} ms/episode  "
+            f"stack CPU {r['stack_cpu_ms_per_episode']:5.2f} ms/episode  "
             f"disk {r['disk_bytes_per_episode'] / 1024:6.1f} KiB/episode"
         )
         if "store" in r:

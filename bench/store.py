@@ -7,7 +7,8 @@ starts the next episode, until `--total` boundaries were saved. Every save retur
 durable. Rounds alternate the stores on the same filesystem: `log` (LogEpisodeStore, field
 deltas), `log-whole` (every boundary written whole: `full_every=0`) and `files`
 (FilesystemEpisodeStore); the median is reported. The disk's ceiling is measured in the same run: the same number of
-batches of the log's average batch bytes written and `fdatasync`ed by one thread.
+batches of the log's average batch bytes written and `fdatasync`ed by one thread, appended (as
+the log writes) and written over a file zeroed beforehand (no size change for the journal).
 
 The harness is measured apart: a `harness` round runs the same episodes against a store that
 keeps nothing (the record mutations only, from prebuilt messages and snapshots), and each
@@ -192,20 +193,33 @@ async def lease_cost(store: EpisodeStore, label: str, episodes: int, concurrency
     return 1e6 * (time.process_time() - cpu) / episodes
 
 
-def disk_ceiling(folder: Path, batches: int, batch_bytes: int) -> float:
-    """Batches/s of one thread appending `batch_bytes` and fdatasync-ing, `batches` times."""
+def disk_ceiling(folder: Path, batches: int, batch_bytes: int) -> dict[str, float]:
+    """One thread writing `batches` batches of `batch_bytes`, each `fdatasync`ed: batches/s and the thread's
+    CPU per batch, appending (as the log does) and overwriting a file zeroed and synced beforehand."""
     path = folder / "ceiling.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     data = os.urandom(batch_bytes)
-    started = time.perf_counter()
-    try:
-        for _ in range(batches):
-            os.write(fd, data)
-            os.fdatasync(fd)
-    finally:
-        os.close(fd)
-        path.unlink()
-    return batches / (time.perf_counter() - started)
+    out: dict[str, float] = {}
+    for way in ("append", "prezeroed"):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if way == "prezeroed":
+                # The file's size and blocks are settled before the timed writes: an fdatasync then has
+                # no metadata to journal, only the data blocks to flush.
+                os.write(fd, bytes(batch_bytes * batches))
+                os.fsync(fd)
+            started, cpu = time.perf_counter(), time.thread_time()
+            for i in range(batches):
+                if way == "append":
+                    os.write(fd, data)
+                else:
+                    os.pwrite(fd, data, i * batch_bytes)
+                os.fdatasync(fd)
+            out[f"{way}_cpu_us_per_batch"] = 1e6 * (time.thread_time() - cpu) / batches
+            out[f"{way}_batches_per_s"] = batches / (time.perf_counter() - started)
+        finally:
+            os.close(fd)
+            path.unlink()
+    return out
 
 
 async def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -260,7 +274,7 @@ async def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         r["store_cpu_us_per_boundary"] = r["cpu_us_per_boundary"] - harness
     batches = min(stats["batches"], 2000)
     ceiling = disk_ceiling(folder, batches, stats["batch_bytes"])
-    results["disk"] = {"batches_per_s": ceiling, "batch_bytes": stats["batch_bytes"]}
+    results["disk"] = {"batches_per_s": ceiling["append_batches_per_s"], "batch_bytes": stats["batch_bytes"], **ceiling}
     return results
 
 
@@ -387,7 +401,15 @@ def main(argv: list[str] | None = None) -> int:
         f"episode's lease alone {log['lease_cpu_us_per_episode']:.1f} us CPU "
         f"({log['lease_cpu_us_per_episode'] / args.boundaries:.1f} us per boundary at {args.boundaries} per episode)"
     )
-    print(f"disk      {disk['batches_per_s']:9.0f} batches/s of {disk['batch_bytes']} B + fdatasync (one thread)")
+    print(
+        f"disk      {disk['batches_per_s']:9.0f} batches/s of {disk['batch_bytes']} B + fdatasync (one thread), "
+        f"{disk['append_cpu_us_per_batch']:.1f} us CPU each; into a pre-zeroed file "
+        f"{disk['prezeroed_batches_per_s']:.0f}/s, {disk['prezeroed_cpu_us_per_batch']:.1f} us CPU each"
+    )
+    print(
+        f"RATIO pre-zeroed / append: {disk['prezeroed_batches_per_s'] / disk['batches_per_s']:.2f}x batches/s, "
+        f"{disk['prezeroed_cpu_us_per_batch'] / disk['append_cpu_us_per_batch']:.2f}x CPU per fdatasync"
+    )
     print(
         f"RATIO log / files: {log['boundaries_per_s'] / files['boundaries_per_s']:.1f}x durable boundaries/s "
         f"(log-whole {results['log-whole']['boundaries_per_s'] / files['boundaries_per_s']:.1f}x); "

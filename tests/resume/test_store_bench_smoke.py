@@ -27,6 +27,10 @@ def test_quick_store_bench_reports_every_store_and_the_processes_round(tmp_path:
     assert log["bytes_per_boundary"] < results["log-whole"]["bytes_per_boundary"]  # deltas
     assert log["loop_cpu_us_per_boundary"] > 0
     assert log["lease_cpu_us_per_episode"] > 0
+    disk = results["disk"]
+    for way in ("append", "prezeroed"):
+        assert disk[f"{way}_batches_per_s"] > 0
+        assert disk[f"{way}_cpu_us_per_batch"] > 0
     processes = results["processes"]
     assert processes["procs"] == 2
     assert len(processes["per_process"]) == 2
