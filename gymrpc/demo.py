@@ -1,12 +1,12 @@
 """`gymrpc demo`: the main job in one command, with no GPU and no downloads.
 
-Starts the embedded default stack in a fresh run folder, with every agent checkpointing its
-episodes at each boundary (`--resume-dir`, one folder per agent), collects rollouts of the
-counter and blackjack example tasks, and SIGKILLs servers mid-run: by default the model server a
-third of the way through and `agent/counter` at two thirds. The supervisor brings each back on a
-new port under the same name; model calls are idempotent and retried by name, and the episodes
-the killed agent held continue on its new process from their last checkpoint (`resume_count`),
-not from the start. Every episode completes.
+Starts the embedded default stack in a fresh run folder, with every agent checkpointing its episodes
+at each boundary (`--resume-dir`, one folder per agent), collects rollouts of the counter and
+blackjack example tasks, and SIGKILLs servers mid-run: by default the model server a third of the
+way through and `agent/counter` at two thirds, once one of its episodes in flight is checkpointed
+mid-run. The supervisor brings each back on a new port under the same name; model calls are
+idempotent and retried by name, and the episodes the killed agent held continue on its new process
+from their last checkpoint (`resume_count`), not from the start. Every episode completes.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from gymrpc import logs, rundir
 if TYPE_CHECKING:  # the command line imports this module; the stack's modules load only when it runs
     from gymrpc.launch.local import LocalLauncher, ServerState
     from gymrpc.launch.spec import StackSpec
-    from gymrpc.rollouts import Progress, Summary
+    from gymrpc.rollouts import Progress, RolloutTask, Summary
 
 DEFAULT_DIR = Path(".gymrpc") / "demo"
 MARKER = "demo.json"
@@ -138,6 +138,8 @@ class _Kill:
     killed_at: float = 0.0
     restarted: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task[None] | None = None
+    waiting: asyncio.Task[None] | None = None
+    """An agent's kill, due, waiting for one of its episodes in flight to be checkpointed mid-run."""
 
 
 async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
@@ -179,22 +181,30 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
             planned = len(tasks[env]) * args.repeats if env else total
             kills.append(_Kill(name, at_done=max(planned * (i + 1) // (len(args.kill) + 1), 1), env=env))
         results: dict[str, list[EpisodeResult]] = {env: [] for env in ENVS}
-        running = 0
+        flying: dict[str, set[str]] = {env: set() for env in ENVS}
+        """Episode ids in flight, by env."""
 
-        def on_start(*_: object) -> None:
-            nonlocal running
-            running += 1
+        def on_start(task: RolloutTask, repeat: int) -> None:
+            episode = task.episode_id(repeat)
+            flying[episode.partition("-")[0]].add(episode)
 
         def on_result(result: EpisodeResult) -> None:
-            nonlocal running
-            running -= 1
+            env = result.agent.partition("/")[2]
+            flying[env].discard(result.task.episode_id(result.repeat))
             writer.write(result.to_json())
-            results[result.agent.partition("/")[2]].append(result)
+            results[env].append(result)
             progress.update(result)
             for kill in kills:
                 done = len(results[kill.env]) if kill.env else progress.done
-                if kill.pid is None and done >= kill.at_done:
-                    _inflict(launcher, kill, running, progress)
+                if kill.pid is not None or kill.waiting is not None or done < kill.at_done:
+                    continue
+                if kill.env is None:
+                    _inflict(launcher, kill, sum(map(len, flying.values())), progress)
+                else:
+                    store = run_dir / "episodes" / kill.name.replace("/", "-")
+                    kill.waiting = asyncio.get_running_loop().create_task(
+                        _inflict_mid_episode(launcher, kill, store, flying, progress)
+                    )
 
         t0 = time.perf_counter()
         async with Client(run_dir=run_dir) as client:
@@ -216,6 +226,9 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
         wall = time.perf_counter() - t0
         writer.close()
         progress.close()
+        for kill in kills:
+            if kill.waiting is not None:
+                await kill.waiting
         for kill in kills:
             if kill.watcher is not None:
                 with contextlib.suppress(TimeoutError):
@@ -271,8 +284,8 @@ def _server(launcher: LocalLauncher, name: str) -> ServerState:
     return next(s for s in launcher.server_states() if s.name == name)
 
 
-def _inflict(launcher: LocalLauncher, kill: _Kill, running: int, progress: Progress) -> None:
-    """SIGKILL the server now, from inside the result callback, so episodes are certainly in flight."""
+def _inflict(launcher: LocalLauncher, kill: _Kill, running: int, progress: Progress, detail: str = "") -> None:
+    """SIGKILL the server now (stopped or not), while its episodes are in flight."""
     state = _server(launcher, kill.name)
     if state.pid is None:
         return
@@ -281,8 +294,43 @@ def _inflict(launcher: LocalLauncher, kill: _Kill, running: int, progress: Progr
     kill.watcher = asyncio.get_running_loop().create_task(_watch_restart(launcher, kill, progress))
     progress.note(
         f"  ! SIGKILL {kill.name} (pid {kill.pid}, {kill.address}) with {progress.done}/{progress.total}"
-        f" episodes done, {running} in flight"
+        f" episodes done, {running} in flight{detail}"
     )
+
+
+async def _inflict_mid_episode(
+    launcher: LocalLauncher, kill: _Kill, store: Path, flying: dict[str, set[str]], progress: Progress
+) -> None:
+    """Kill an agent while one of its episodes in flight has a checkpoint mid-run, so that the demo shows a
+    resume: right after a result, its episodes in flight may all be finishing or not yet seeded, and a
+    scripted episode lasts milliseconds. So the agent is stopped (SIGSTOP), its records read, and it is
+    killed there if one is mid-run, else let go and looked at again 20 ms later; with none of its
+    episodes left, it dies all the same."""
+    from gymrpc.store.reader import read_record
+    from gymrpc.v1 import agent_service_pb2 as agent_pb
+
+    ended = (agent_pb.EPISODE_PHASE_UNSPECIFIED, agent_pb.EPISODE_PHASE_COMPLETED)  # never seeded, or done
+
+    def mid_run(episodes: list[str]) -> int:
+        records = [read_record(store, episode) for episode in episodes]
+        return sum(r is not None and r.phase not in ended for r in records)
+
+    assert kill.env is not None
+    while True:
+        episodes = sorted(flying[kill.env])
+        pid, checkpointed = _server(launcher, kill.name).pid, 0
+        if episodes and pid is not None:
+            os.kill(pid, signal.SIGSTOP)  # what it saved is all it will have saved when it dies
+            try:
+                checkpointed = mid_run(episodes)
+            finally:
+                if not checkpointed:
+                    os.kill(pid, signal.SIGCONT)
+        if checkpointed or not flying[kill.env]:
+            running = sum(map(len, flying.values()))
+            _inflict(launcher, kill, running, progress, f", {checkpointed} of its own checkpointed mid-episode")
+            return
+        await asyncio.sleep(0.02)
 
 
 async def _watch_restart(launcher: LocalLauncher, kill: _Kill, progress: Progress) -> None:

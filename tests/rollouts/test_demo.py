@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,10 @@ def test_demo_completes_every_episode_despite_the_kill(run_dir: Path) -> None:
     assert proc.returncode == 0, out + proc.stderr
     assert "! SIGKILL model/policy" in out
     assert "+ the supervisor restarted model/policy" in out
-    assert "! SIGKILL agent/counter" in out
+    agent_kill = next(line for line in out.splitlines() if "! SIGKILL agent/counter" in line)
+    checkpointed = re.search(r", (\d+) of its own checkpointed mid-episode$", agent_kill)
+    assert checkpointed is not None, agent_kill
+    assert int(checkpointed.group(1)) >= 1, agent_kill  # killed while one of its episodes was mid-run
     assert "+ the supervisor restarted agent/counter" in out
     assert "OK: all 40 episodes completed although model/policy and agent/counter were SIGKILLed mid-run" in out
     assert "counter    20/20 completed  mean reward +1.000" in out
