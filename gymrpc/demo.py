@@ -151,7 +151,7 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
     from gymrpc.rollouts import EpisodeResult, Progress, ResultWriter, Summary, collect, load_tasks
 
     say(f"gymrpc demo: run folder {_short(run_dir)}")
-    spec = _with_resume_dirs(load_stack_spec(None), run_dir / "episodes")
+    spec = _with_resume_dirs(load_stack_spec(None), run_dir)
     if args.model_path:
         engine = {k: getattr(args, k) for k in ("dtype", "tensor_parallel_size", "max_model_len", "kv_cache_gib")}
         spec = with_vllm_model(spec, args.model_path, **engine)
@@ -201,7 +201,7 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
                 if kill.env is None:
                     _inflict(launcher, kill, sum(map(len, flying.values())), progress)
                 else:
-                    store = run_dir / "episodes" / kill.name.replace("/", "-")
+                    store = _resume_dir(run_dir, kill.name)
                     kill.waiting = asyncio.get_running_loop().create_task(
                         _inflict_mid_episode(launcher, kill, store, flying, progress)
                     )
@@ -269,10 +269,14 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
     return 1
 
 
-def _with_resume_dirs(spec: StackSpec, root: Path) -> StackSpec:
+def _resume_dir(run_dir: Path, agent: str) -> Path:
+    return run_dir / "episodes" / agent.replace("/", "-")
+
+
+def _with_resume_dirs(spec: StackSpec, run_dir: Path) -> StackSpec:
     """Every agent checkpoints its episodes at each boundary, in a folder of its own."""
     servers = tuple(
-        dataclasses.replace(s, args={**s.args, "resume_dir": str(root / s.name.replace("/", "-"))})
+        dataclasses.replace(s, args={**s.args, "resume_dir": str(_resume_dir(run_dir, s.name))})
         if s.role == "agent"
         else s
         for s in spec.servers
