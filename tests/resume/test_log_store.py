@@ -13,6 +13,7 @@ the store on real files.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import os
 import shutil
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from gymrpc.errors import Aborted, DataLoss
+from gymrpc.errors import Aborted, DataLoss, Unavailable
 from gymrpc.store import EpisodeCheckpoint, FilesystemEpisodeStore, LogEpisodeStore, frames, read_record
 from gymrpc.store.log import _record_from
 from gymrpc.v1 import agent_service_pb2 as agent_pb
@@ -95,6 +96,120 @@ def test_saves_are_deltas_one_fsync_per_batch_and_survive_a_reopen(tmp_path: Pat
     assert loaded == records
     assert all(r.revision == 6 for r in records.values())
     assert read_record(tmp_path, "ep-3") == records["ep-3"]
+
+
+Records = dict[str, EpisodeCheckpoint]
+
+
+def _save_and_reopen(root: Path, count: int) -> tuple[Records, dict[str, EpisodeCheckpoint | None]]:
+    """`count` episodes saved three times each, concurrently; then what a fresh store reads back."""
+
+    async def scenario() -> tuple[Records, dict[str, EpisodeCheckpoint | None]]:
+        store = LogEpisodeStore(root)
+        records = {f"ep-{i}": _record(f"ep-{i}") for i in range(count)}
+
+        async def run(record: EpisodeCheckpoint) -> None:
+            async with store.lease(record.episode_id.rollout_id) as lease:
+                for step in range(3):
+                    _grow(record, step)
+                    await store.save(lease, record)
+
+        await asyncio.gather(*(run(r) for r in records.values()))
+        await store.close()
+        again = LogEpisodeStore(root)
+        loaded = {rid: await _load(again, rid) for rid in records}
+        await again.close()
+        return records, loaded
+
+    return asyncio.run(scenario())
+
+
+def test_a_filesystem_without_per_write_sync_gets_write_then_fdatasync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch is one `pwritev2(RWF_DSYNC)`; where the filesystem refuses the flag, `pwritev` + `fdatasync`."""
+    real_pwritev, real_fdatasync = os.pwritev, os.fdatasync
+    calls = {"flagged": 0, "plain": 0, "fdatasync": 0}
+
+    def pwritev(fd: int, buffers: list[bytes], offset: int, flags: int = 0) -> int:
+        if flags:
+            calls["flagged"] += 1
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+        calls["plain"] += 1
+        return real_pwritev(fd, buffers, offset)
+
+    def fdatasync(fd: int) -> None:
+        calls["fdatasync"] += 1
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    records, loaded = _save_and_reopen(tmp_path, 8)
+    assert loaded == records
+    assert calls["flagged"] == 1, "the refusal is remembered: the flag is tried once"
+    assert calls["plain"] >= 1
+    assert calls["fdatasync"] >= calls["plain"], "every plain write is followed by a sync"
+
+
+def test_a_short_write_is_finished_and_synced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_pwritev = os.pwritev
+    short = {"writes": 0}
+
+    def pwritev(fd: int, buffers: list[bytes], offset: int, flags: int = 0) -> int:
+        data = b"".join(buffers)
+        if len(data) > 1 and short["writes"] < 3:  # the kernel took only half (a signal, a nearly full disk)
+            short["writes"] += 1
+            data = data[: len(data) // 2]
+        return real_pwritev(fd, [data], offset, flags)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    records, loaded = _save_and_reopen(tmp_path, 8)
+    assert short["writes"] == 3
+    assert loaded == records
+
+
+def test_a_failed_write_stops_saves_and_loses_nothing_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failed write the log's durability is unknown: every later save answers UNAVAILABLE, and a
+    restarted store still reads every save acknowledged before it."""
+
+    async def scenario() -> tuple[EpisodeCheckpoint, list[BaseException]]:
+        store = LogEpisodeStore(tmp_path)
+        kept = _record("kept")
+        _grow(kept, 1)
+        await _save(store, kept)
+        real_pwritev = os.pwritev
+
+        def full_disk(fd: int, buffers: list[bytes], offset: int, flags: int = 0) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "pwritev", full_disk)
+        errors: list[BaseException] = []
+        for rid in ("lost-1", "lost-2"):
+            try:
+                await _save(store, _record(rid))
+            except Unavailable as exc:
+                errors.append(exc)
+        monkeypatch.setattr(os, "pwritev", real_pwritev)
+        try:
+            await _save(store, _record("after"))
+        except Unavailable as exc:
+            errors.append(exc)
+        await store.close()
+        return kept, errors
+
+    kept, errors = asyncio.run(scenario())
+    assert len(errors) == 3, "the failed batch and every save after it are refused"
+    assert all("failed a write" in str(e) for e in errors)
+
+    async def reopened() -> list[EpisodeCheckpoint | None]:
+        again = LogEpisodeStore(tmp_path)
+        loaded = [await _load(again, rid) for rid in ("kept", "lost-1", "after")]
+        await again.close()
+        return loaded
+
+    assert asyncio.run(reopened()) == [kept, None, None]
 
 
 def test_revision_guard_and_lease_contention(tmp_path: Path) -> None:
