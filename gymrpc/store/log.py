@@ -54,7 +54,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
-from google.protobuf import timestamp_pb2
 from google.protobuf.message import DecodeError
 
 from gymrpc.durable import fsync_folder
@@ -465,11 +464,20 @@ class LogEpisodeStore(EpisodeStore):
                 retry_delay=self.lease_retry_delay,
             )
         try:
-            source = await self._look_up(rollout_id, legacy)
+            source = self._look_up_alone(rollout_id, legacy) or await self._look_up(rollout_id, legacy)
         except BaseException:
             self.leases.release(at)
             raise
         return LogLease(self, rollout_id, at, source)
+
+    def _look_up_alone(self, rollout_id: str, legacy: Path) -> _Source | None:
+        """`_resolve` right here while this log is the folder's only one (a folder listing and a legacy
+        file probe, a few microseconds of system calls), else None: a trip to the I/O threads costs the
+        event loop more than that (a wake-up, the GIL handed over and back). Other logs' tails can be
+        megabytes to read, so with any, the lookup goes to the threads."""
+        if self._views or any(n != self.folder.name for n in _log_names(self.logs)):
+            return None
+        return self._resolve(rollout_id, legacy, [])
 
     async def _look_up(self, rollout_id: str, legacy: Path) -> _Source:
         """`_resolve` in the I/O threads; the leases taken meanwhile share one trip and one refresh of the other logs.
@@ -597,10 +605,10 @@ class LogEpisodeStore(EpisodeStore):
                     "expected_revision": str(expected),
                 },
             )
-        updated = timestamp_pb2.Timestamp()
-        updated.CopyFrom(record.updated_at)
+        stamp = record.updated_at
+        updated = stamp.seconds, stamp.nanos  # plain ints: a Timestamp copy and its helpers cost more than the frame
         record.revision = expected + 1
-        record.updated_at.FromNanoseconds(time.time_ns())
+        stamp.seconds, stamp.nanos = divmod(time.time_ns(), 1_000_000_000)
         try:
             data = record.SerializeToString(deterministic=True)
             state = _SHALLOW.values(data) if self.full_every else None
@@ -616,7 +624,7 @@ class LogEpisodeStore(EpisodeStore):
             await self._append(held.rollout_id, kind, frame, version, record.revision, expires, len(data))
         except BaseException:
             record.revision = expected
-            record.updated_at.CopyFrom(updated)
+            stamp.seconds, stamp.nanos = updated
             raise
         held.deltas = held.deltas + 1 if kind == frames.DELTA else 0
         held.base = state
