@@ -155,12 +155,14 @@ async def run_round(client: Client, agent: str, label: str, episodes: int, concu
 
 SHARED = ("resources/counter", "model/policy")
 """The servers every agent shares: their CPU during an agent's rounds is counted to that agent."""
+CLIENT = "client"
+"""This process (the `gymrpc.Client` running the rounds), counted like the shared servers."""
 
 
 async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> dict[str, Any]:
     rates: dict[str, list[float]] = {a: [] for a in agents}
     ran = dict.fromkeys(agents, 0)
-    shared_cpu = dict.fromkeys(agents, 0.0)  # the shared servers' and this client's CPU seconds in the timed rounds
+    shared_cpu = {a: dict.fromkeys((*SHARED, CLIENT), 0.0) for a in agents}  # CPU seconds in a's timed rounds
     async with Client(run_dir=stack.run_dir) as client:
         for agent in agents:  # warm-up: connections, the agents' first ListTools/probe, page cache
             await run_round(client, agent, f"warm-{agent.partition('/')[2]}", args.concurrency, args.concurrency)
@@ -171,7 +173,8 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
                 label = f"r{r}-{agent.partition('/')[2]}"
                 start = _shared_cpu_s(stack)
                 rates[agent].append(await run_round(client, agent, label, args.episodes, args.concurrency))
-                shared_cpu[agent] += _shared_cpu_s(stack) - start
+                for name, seconds in _shared_cpu_s(stack).items():
+                    shared_cpu[agent][name] += seconds - start[name]
                 ran[agent] += args.episodes
                 print(f"  round {r} {agent:13s} {rates[agent][-1]:7.1f} episodes/s", flush=True)
         after = {a: proc_counters(stack.pid(a)) for a in agents}
@@ -184,15 +187,18 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
             "rounds": rates[a],
             "episodes": ran[a],
             "cpu_ms_per_episode": cpu_ms,
-            "stack_cpu_ms_per_episode": cpu_ms + 1e3 * shared_cpu[a] / timed,
+            "stack_cpu_ms_per_episode": cpu_ms + 1e3 * sum(shared_cpu[a].values()) / timed,
+            "shared_cpu_ms_per_episode": {name: 1e3 * cpu / timed for name, cpu in shared_cpu[a].items()},
             "disk_bytes_per_episode": (after[a]["write_bytes"] - before[a]["write_bytes"]) / timed,
             "write_syscalls_per_episode": (after[a]["syscw"] - before[a]["syscw"]) / timed,
         }
     return results
 
 
-def _shared_cpu_s(stack: Stack) -> float:
-    return sum(proc_counters(stack.pid(name))["cpu_s"] for name in SHARED) + time.process_time()
+def _shared_cpu_s(stack: Stack) -> dict[str, float]:
+    seconds = {name: proc_counters(stack.pid(name))["cpu_s"] for name in SHARED}
+    seconds[CLIENT] = time.process_time()
+    return seconds
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
@@ -201,7 +207,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     for agent, r in results.items():
         line = (
             f"{agent:13s} {r['episodes_per_s']:7.1f} episodes/s  agent CPU {r['cpu_ms_per_episode']:5.2f} ms/episode  "
-            f"stack CPU {r['stack_cpu_ms_per_episode']:5.2f} ms/episode  "
+            f"stack CPU {r['stack_cpu_ms_per_episode']:5.2f} ms/episode "
+            f"({', '.join(f'{n} {ms:.2f}' for n, ms in r['shared_cpu_ms_per_episode'].items())})  "
             f"disk {r['disk_bytes_per_episode'] / 1024:6.1f} KiB/episode"
         )
         if "store" in r:

@@ -50,4 +50,8 @@ def test_quick_resume_bench_reports_ratio_and_bytes_per_boundary(tmp_path: Path)
     for r in results.values():
         assert r["episodes_per_s"] > 0
         assert r["stack_cpu_ms_per_episode"] > r["cpu_ms_per_episode"] > 0  # the shared servers work too
+        shared = r["shared_cpu_ms_per_episode"]
+        assert set(shared) == {"resources/counter", "model/policy", "client"}
+        assert all(ms > 0 for ms in shared.values())
+        assert abs(r["cpu_ms_per_episode"] + sum(shared.values()) - r["stack_cpu_ms_per_episode"]) < 1e-6
         assert len(r["rounds"]) == 2
