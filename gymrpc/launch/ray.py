@@ -21,6 +21,7 @@ and must stay cheap where Ray is absent.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -93,13 +94,32 @@ def discover_registry(
     except ValueError:
         return None
     info = ray.get(host.info.remote(), timeout=timeout)
-    client = None
-    if info.get("ca"):
-        folder = Path(tempfile.mkdtemp(prefix="gymrpc-client-tls-"))
-        cert, key = info["client_cert"], info["client_key"]  # no server key: the client side only
-        material = {"cert": cert, "key": key, "client_cert": cert, "client_key": key, "ca": info["ca"]}
-        _, client = _write_tls(folder, {**material, "server_name": info.get("server_name", "")})
-    return info["registry"], info["token"], client
+    return info["registry"], info["token"], _client_tls(info) if info.get("ca") else None
+
+
+_CLIENT_TLS: dict[tuple[str, str, str, str], TlsFiles] = {}
+"""The client TLS files this process wrote, by their material: written once however often it discovers."""
+_CLIENT_TLS_LOCK = threading.Lock()
+
+
+def _client_tls(info: dict[str, Any]) -> TlsFiles:
+    """The stack's client certificate, key and CA as files in a private folder of this process.
+
+    A channel reads them whenever it is made, so they stay while the process runs; the folder
+    (it holds a private key) is removed when the process exits.
+    """
+    cert, key = info["client_cert"], info["client_key"]  # no server key: the client side only
+    material = (cert, key, info["ca"], info.get("server_name", ""))
+    with _CLIENT_TLS_LOCK:
+        if (client := _CLIENT_TLS.get(material)) is None:
+            folder = Path(tempfile.mkdtemp(prefix="gymrpc-client-tls-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            pem = {"cert": cert, "key": key, "client_cert": cert, "client_key": key, "ca": info["ca"]}
+            client = _write_tls(folder, {**pem, "server_name": material[3]})[1]
+            if client is None:  # unreachable: the material is not empty
+                raise RuntimeError("no client TLS files were written")
+            _CLIENT_TLS[material] = client
+        return client
 
 
 # -- on the nodes ---------------------------------------------------------------------------------
