@@ -12,9 +12,11 @@ over the timed rounds.
 
 Durability cost is reported three ways:
 - episodes/s ratio on/off (and agent CPU seconds per episode, from /proc; the CPU a
-  boundary adds is the difference to `agent/off` divided by the boundaries per episode; and
-  the stack's CPU per episode: the agent's plus, during its rounds, the shared resources and
-  model servers' and this client's, which is what a CPU-bound stack's episodes/s follows);
+  boundary adds is the difference to `agent/off` divided by the boundaries per episode, over
+  all timed rounds and, for its spread, round by round against `off`'s round of the same
+  number (they run back to back); and the stack's CPU per episode: the agent's plus, during
+  its rounds, each shared server's (resources, model) and this client's, which is what a
+  CPU-bound stack's episodes/s follows);
 - bytes per boundary: the store's own count of record bytes written (header + payload)
   divided by the saves it made, and saves (boundaries) and fsyncs per episode; the agent
   logs these counters when it stops gracefully, which the bench parses;
@@ -161,6 +163,7 @@ CLIENT = "client"
 
 async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> dict[str, Any]:
     rates: dict[str, list[float]] = {a: [] for a in agents}
+    round_cpu: dict[str, list[float]] = {a: [] for a in agents}  # the agent's CPU ms per episode, each timed round
     ran = dict.fromkeys(agents, 0)
     shared_cpu = {a: dict.fromkeys((*SHARED, CLIENT), 0.0) for a in agents}  # CPU seconds in a's timed rounds
     async with Client(run_dir=stack.run_dir) as client:
@@ -171,8 +174,9 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
         for r in range(args.rounds):
             for agent in agents if r % 2 == 0 else reversed(agents):
                 label = f"r{r}-{agent.partition('/')[2]}"
-                start = _shared_cpu_s(stack)
+                start, own = _shared_cpu_s(stack), proc_counters(stack.pid(agent))["cpu_s"]
                 rates[agent].append(await run_round(client, agent, label, args.episodes, args.concurrency))
+                round_cpu[agent].append(1e3 * (proc_counters(stack.pid(agent))["cpu_s"] - own) / args.episodes)
                 for name, seconds in _shared_cpu_s(stack).items():
                     shared_cpu[agent][name] += seconds - start[name]
                 ran[agent] += args.episodes
@@ -187,6 +191,7 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
             "rounds": rates[a],
             "episodes": ran[a],
             "cpu_ms_per_episode": cpu_ms,
+            "round_cpu_ms_per_episode": round_cpu[a],
             "stack_cpu_ms_per_episode": cpu_ms + 1e3 * sum(shared_cpu[a].values()) / timed,
             "shared_cpu_ms_per_episode": {name: 1e3 * cpu / timed for name, cpu in shared_cpu[a].items()},
             "disk_bytes_per_episode": (after[a]["write_bytes"] - before[a]["write_bytes"]) / timed,
@@ -219,7 +224,12 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             )
             extra_ms = r["cpu_ms_per_episode"] - off["cpu_ms_per_episode"]
             s["cpu_ms_per_boundary"] = extra_ms / s["boundaries_per_episode"]
-            line += f", +{s['cpu_ms_per_boundary']:.3f} ms agent CPU per boundary"
+            paired = zip(r["round_cpu_ms_per_episode"], off["round_cpu_ms_per_episode"], strict=True)
+            s["round_cpu_ms_per_boundary"] = [(on - o) / s["boundaries_per_episode"] for on, o in paired]
+            line += (
+                f", +{s['cpu_ms_per_boundary']:.3f} ms agent CPU per boundary (round by round against off: "
+                f"{_spread(s['round_cpu_ms_per_boundary'])})"
+            )
         print(line)
     for agent, r in results.items():
         if agent != "agent/off":
@@ -235,6 +245,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                 f"{s['fsyncs_per_episode']:.2f} fsyncs per episode, {s['cpu_ms_per_boundary']:.3f} ms agent CPU "
                 "per boundary"
             )
+
+
+def _spread(values: list[float]) -> str:
+    """Median and range: one tree's runs on this machine spread as much as the changes measured."""
+    return f"median {statistics.median(values):.3f}, {min(values):.3f}-{max(values):.3f} ms"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -47,6 +47,7 @@ def test_quick_resume_bench_reports_ratio_and_bytes_per_boundary(tmp_path: Path)
     assert store["bytes_per_boundary"] > 100
     assert 4 <= store["boundaries_per_episode"] <= 12  # seed, model calls, tool calls, completion
     assert store["fsyncs_per_episode"] >= 1
+    assert len(store["round_cpu_ms_per_boundary"]) == 2  # one per timed round, paired with off's
     for r in results.values():
         assert r["episodes_per_s"] > 0
         assert r["stack_cpu_ms_per_episode"] > r["cpu_ms_per_episode"] > 0  # the shared servers work too
@@ -55,3 +56,5 @@ def test_quick_resume_bench_reports_ratio_and_bytes_per_boundary(tmp_path: Path)
         assert all(ms > 0 for ms in shared.values())
         assert abs(r["cpu_ms_per_episode"] + sum(shared.values()) - r["stack_cpu_ms_per_episode"]) < 1e-6
         assert len(r["rounds"]) == 2
+        assert len(r["round_cpu_ms_per_episode"]) == 2
+        assert all(ms > 0 for ms in r["round_cpu_ms_per_episode"])
