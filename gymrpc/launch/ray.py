@@ -97,12 +97,12 @@ def discover_registry(
     return info["registry"], info["token"], _client_tls(info) if info.get("ca") else None
 
 
-_CLIENT_TLS: dict[tuple[str, str, str, str], TlsFiles] = {}
+_CLIENT_TLS: dict[tuple[str, str, str, str], TlsFiles | None] = {}
 """The client TLS files this process wrote, by their material: written once however often it discovers."""
 _CLIENT_TLS_LOCK = threading.Lock()
 
 
-def _client_tls(info: dict[str, Any]) -> TlsFiles:
+def _client_tls(info: dict[str, Any]) -> TlsFiles | None:
     """The stack's client certificate, key and CA as files in a private folder of this process.
 
     A channel reads them whenever it is made, so they stay while the process runs; the folder
@@ -111,15 +111,12 @@ def _client_tls(info: dict[str, Any]) -> TlsFiles:
     cert, key = info["client_cert"], info["client_key"]  # no server key: the client side only
     material = (cert, key, info["ca"], info.get("server_name", ""))
     with _CLIENT_TLS_LOCK:
-        if (client := _CLIENT_TLS.get(material)) is None:
+        if material not in _CLIENT_TLS:
             folder = Path(tempfile.mkdtemp(prefix="gymrpc-client-tls-"))
             atexit.register(shutil.rmtree, folder, ignore_errors=True)
             pem = {"cert": cert, "key": key, "client_cert": cert, "client_key": key, "ca": info["ca"]}
-            client = _write_tls(folder, {**pem, "server_name": material[3]})[1]
-            if client is None:  # unreachable: the material is not empty
-                raise RuntimeError("no client TLS files were written")
-            _CLIENT_TLS[material] = client
-        return client
+            _CLIENT_TLS[material] = _write_tls(folder, {**pem, "server_name": material[3]})[1]
+        return _CLIENT_TLS[material]
 
 
 # -- on the nodes ---------------------------------------------------------------------------------

@@ -742,11 +742,8 @@ class LogEpisodeStore(EpisodeStore):
         if error is None:
             seq, fd, start = self._seq, self._fds[self._seq], self._end
             commit = frames.encode_commit([(a.rollout_id, a.version) for a in batch])
-            chunks = [a.frame for a in batch]
-            chunks.append(commit)
-            size = sum(map(len, chunks))
             try:
-                self._write_durably(fd, chunks, start)
+                size = self._write_durably(fd, [*(a.frame for a in batch), commit], start)
             except OSError as exc:
                 self._broken = exc
                 error = self._unavailable()  # this batch's saves too: clear words, not a bare OSError
@@ -782,13 +779,13 @@ class LogEpisodeStore(EpisodeStore):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_settle, items)
 
-    def _write_durably(self, fd: int, chunks: list[bytes], offset: int) -> None:
-        """`chunks` at `offset`, on the disk when this returns: one `pwritev2(RWF_DSYNC)` (the write and
-        its `fdatasync` in one system call, so the commit thread takes the GIL back once, not three times:
-        every hand-over costs the event loop's thread futex calls), else `pwritev` + `fdatasync`."""
+    def _write_durably(self, fd: int, chunks: list[bytes], offset: int) -> int:
+        """`chunks` at `offset`, on the disk when this returns; their size. One `pwritev2(RWF_DSYNC)` (the
+        write and its `fdatasync` in one system call, so the commit thread takes the GIL back once, not three
+        times: every hand-over costs the event loop's thread futex calls), else `pwritev` + `fdatasync`."""
         if len(chunks) > _IOV_MAX:
             chunks = [b"".join(chunks)]
-        total = sum(map(len, chunks))
+        size = total = sum(map(len, chunks))
         while total:
             if self._dsync:
                 try:
@@ -806,8 +803,8 @@ class LogEpisodeStore(EpisodeStore):
             total -= written
             offset += written
             if total:  # a short write (rare: a signal, a full disk): the rest, as its own durable write
-                rest = b"".join(chunks)[written:]
-                chunks = [rest]
+                chunks = [b"".join(chunks)[written:]]
+        return size
 
     def _live_bytes(self) -> int:
         return sum(c.size + frames.HEADER_SIZE for c in self.index.chains.values() if not c.deleted)
