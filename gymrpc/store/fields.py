@@ -200,18 +200,24 @@ class Shallow:
         pool = descriptor_pool.DescriptorPool()
         pool.Add(twin)
         self._type = message_factory.GetMessageClass(pool.FindMessageTypeByName(f"gymrpc_shallow.{descriptor.name}"))
+        self._numbers = {f: f.number for f in self._type.DESCRIPTOR.fields}  # a dict hit beats the attribute
 
-    def values(self, data: bytes) -> Values | None:
+    def values(self, data: bytes, *, serialized: bool = False) -> Values | None:
         """The fields of `data`, or None (then write it whole) if it holds fields this type does not know
         or is not encoded canonically (a varint longer than needed, a singular field twice): a delta
-        of values rebuilds canonical entries, so it must only ever apply to canonical bytes."""
+        of values rebuilds canonical entries, so it must only ever apply to canonical bytes.
+
+        `serialized`: `data` is protobuf's own serialisation of a message, canonical but for unknown
+        fields, so the size check that catches other encoders' bytes is skipped.
+        """
         try:
             message = self._type.FromString(data)
         except DecodeError:
             return None
-        if len(UnknownFieldSet(message)) or message.ByteSize() != len(data):
+        if len(UnknownFieldSet(message)) or (not serialized and message.ByteSize() != len(data)):
             return None  # unknown fields, or not the canonical encoding a delta by value would rebuild
-        found: Values = {f.number: v for f, v in message.ListFields()}  # in field-number order
+        numbers = self._numbers
+        found: Values = {numbers[f]: v for f, v in message.ListFields()}  # in field-number order
         for number in self._repeated:
             entries = found.get(number)
             if entries is not None:

@@ -611,7 +611,7 @@ class LogEpisodeStore(EpisodeStore):
         stamp.seconds, stamp.nanos = divmod(time.time_ns(), 1_000_000_000)
         try:
             data = record.SerializeToString(deterministic=True)
-            state = _SHALLOW.values(data) if self.full_every else None
+            state = _SHALLOW.values(data, serialized=True) if self.full_every else None
             version, expires = held.source.version + 1, codec.expires_at_ns(record)
             kind, payload = frames.FULL, data
             if state is not None and held.base is not None and held.deltas < self.full_every:

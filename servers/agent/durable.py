@@ -101,18 +101,21 @@ class DurableEpisodes:
 
     async def run(
         self, state: EpisodeState, *, progress: bool = True
-    ) -> AsyncGenerator[agent_pb.RunStreamResponse, None]:
-        """Progress events at each boundary reached (if `progress`), then the trajectory (cached if completed)."""
+    ) -> AsyncGenerator[agent_pb.EpisodeProgress | agent_pb.Trajectory, None]:
+        """Progress events at each boundary reached (if `progress`), then the trajectory (cached if completed).
+
+        The trajectory is the record's own `final_result`, not a copy: the caller's reply copies it once.
+        """
         await self.check_resources()
         fingerprint = checkpoint.fingerprint(state.task)
         async with self.store.lease(state.rollout_id) as lease:
             record = await self._open(lease, state, fingerprint)
             if record.phase == agent_pb.EPISODE_PHASE_COMPLETED:
-                yield agent_pb.RunStreamResponse(trajectory=record.final_result)
+                yield record.final_result
                 return
             async for event in self._drive(lease, record, state, progress):
                 yield event
-        yield agent_pb.RunStreamResponse(trajectory=record.final_result)
+        yield record.final_result
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -183,13 +186,13 @@ class DurableEpisodes:
 
     async def _drive(
         self, lease: EpisodeLease, record: EpisodeCheckpoint, state: EpisodeState, progress: bool
-    ) -> AsyncGenerator[agent_pb.RunStreamResponse, None]:
+    ) -> AsyncGenerator[agent_pb.EpisodeProgress, None]:
         started, base = time.monotonic(), state.elapsed_s
         try:
             while state.phase is not Phase.COMPLETED:
                 message = await self._transition(lease, record, state, started, base)
                 if progress:
-                    yield agent_pb.RunStreamResponse(progress=state.progress(message))
+                    yield state.progress(message)
         except BaseException:
             if state.phase not in (Phase.NEW, Phase.COMPLETED):
                 self.loop.close_in_background(state)  # a retry restores the session from the record anyway

@@ -112,8 +112,8 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
                 run = self.durable.run(state, progress=False)
                 async with _deadline(state, timeout), contextlib.aclosing(run) as events:
                     async for event in events:
-                        if event.HasField("trajectory"):
-                            trajectory = event.trajectory
+                        if isinstance(event, agent_pb.Trajectory):
+                            trajectory = event
                 return agent_pb.RunResponse(trajectory=trajectory)
             with self._hold(state):
                 async with (
@@ -133,7 +133,10 @@ class AgentServicer(agent_grpc.AgentServiceServicer):
             if self.durable is not None:
                 async with _deadline(state, timeout), contextlib.aclosing(self.durable.run(state)) as events:
                     async for event in events:
-                        yield event
+                        if isinstance(event, agent_pb.Trajectory):
+                            yield agent_pb.RunStreamResponse(trajectory=event)
+                        else:
+                            yield agent_pb.RunStreamResponse(progress=event)
                 return
             with self._hold(state):
                 async with (

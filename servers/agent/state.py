@@ -159,32 +159,30 @@ class EpisodeState:
             event.message.CopyFrom(message)
         return event
 
-    def trajectory(self) -> agent_pb.Trajectory:
-        """Everything the episode produced; final once `phase` is COMPLETED."""
+    def trajectory(self, into: agent_pb.Trajectory | None = None) -> agent_pb.Trajectory:
+        """Everything the episode produced; final once `phase` is COMPLETED.
+
+        `into` (an empty message, such as a record's `final_result`) is filled in place: the
+        conversation is copied once where it is kept, not built and then copied again.
+        """
         verify = self.verify or resources_pb.VerifyResponse()
         policy_version = self.policy_version or (self.model_calls[-1].weight_version if self.model_calls else "")
         versions = [s.weight_version for c in self.model_calls for s in c.weight_versions] or [
             c.weight_version for c in self.model_calls if c.weight_version
         ]
         oldest, newest = (versions[0], versions[-1]) if versions else ("", "")
-        return agent_pb.Trajectory(
-            episode_id=self.episode_id,
-            task_id=self.task.task_id,
-            messages=self.messages,
-            model_calls=self.model_calls,
-            tool_calls=self.tool_calls,
-            reward=verify.reward,
-            verify_details_json=verify.details_json,
-            mask_sample=verify.mask_sample,
-            steps=self.step,
-            stop_reason=self.stop_reason,  # type: ignore[arg-type]
-            resume_count=self.resume_count,
-            restart_count=self.restart_count,
-            policy_version=policy_version,
-            usage=self.usage,
-            timing=common_pb2.Timing(total=duration(self.elapsed_s), parked=duration(self.parked_s)),
-            failovers=self.failovers,
-            oldest_weight_version=oldest,
-            newest_weight_version=newest,
-            session_recoveries=self.session_recoveries,
-        )
+        out = agent_pb.Trajectory() if into is None else into
+        out.episode_id.CopyFrom(self.episode_id)
+        out.task_id = self.task.task_id
+        out.messages.extend(self.messages)
+        out.model_calls.extend(self.model_calls)
+        out.tool_calls.extend(self.tool_calls)
+        out.reward, out.verify_details_json, out.mask_sample = verify.reward, verify.details_json, verify.mask_sample
+        out.steps, out.stop_reason = self.step, self.stop_reason  # type: ignore[assignment]
+        out.resume_count, out.restart_count = self.resume_count, self.restart_count
+        out.policy_version = policy_version
+        out.usage.CopyFrom(self.usage)
+        out.timing.CopyFrom(common_pb2.Timing(total=duration(self.elapsed_s), parked=duration(self.parked_s)))
+        out.failovers, out.session_recoveries = self.failovers, self.session_recoveries
+        out.oldest_weight_version, out.newest_weight_version = oldest, newest
+        return out

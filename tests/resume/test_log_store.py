@@ -637,6 +637,7 @@ def test_the_shallow_split_writes_the_deltas_the_python_split_writes() -> None:
         old, new = shallow.values(before), shallow.values(after)
         assert old is not None
         assert new is not None
+        assert shallow.values(after, serialized=True) == new
         assert shallow.diff(old, new) == expected
         assert fields.join(fields.apply(fields.split(before), expected)) == after
 
@@ -652,3 +653,5 @@ def test_a_record_with_fields_the_shallow_split_does_not_know_is_written_whole()
     assert shallow.values(b"\x38\x81\x00") is None  # step = 1 as a two-byte varint: not canonical
     assert shallow.values(b"\x38\x01\x38\x02") is None  # a singular field twice (the last one wins)
     assert shallow.values(b"\x38\x01") == {7: 1}
+    carrying = EpisodeCheckpoint.FromString(data + b"\xf8\x07\x01")  # kept as an unknown field, written back
+    assert shallow.values(carrying.SerializeToString(deterministic=True), serialized=True) is None

@@ -216,7 +216,11 @@ def test_text_turn_episode_resumes_with_the_same_cards(tmp_path: Path) -> None:
         assert servicer.durable is not None
         events = servicer.durable.run(state)
         async for event in events:
-            if event.progress.phase == agent_pb.EPISODE_PHASE_READY_FOR_MODEL and event.progress.step == 1:
+            if (
+                isinstance(event, agent_pb.EpisodeProgress)
+                and event.phase == agent_pb.EPISODE_PHASE_READY_FOR_MODEL
+                and event.step == 1
+            ):
                 break
         await events.aclose()
 
