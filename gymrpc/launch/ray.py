@@ -28,7 +28,6 @@ import itertools
 import logging
 import math
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -50,6 +49,7 @@ from gymrpc.launch.local import (
     stack_tls,
     write_stack_state,
 )
+from gymrpc.launch.private import PrivateFolder
 from gymrpc.launch.spec import RayOptions, RestartPolicy, ServerSpec, StackSpec
 from gymrpc.launch.storage import (
     CheckpointDirError,
@@ -106,14 +106,16 @@ def _client_tls(info: dict[str, Any]) -> TlsFiles | None:
     """The stack's client certificate, key and CA as files in a private folder of this process.
 
     A channel reads them whenever it is made, so they stay while the process runs; the folder
-    (it holds a private key) is removed when the process exits.
+    (it holds a private key) is removed when the process exits, or by a later process if this one
+    is killed (`PrivateFolder`).
     """
     cert, key = info["client_cert"], info["client_key"]  # no server key: the client side only
     material = (cert, key, info["ca"], info.get("server_name", ""))
     with _CLIENT_TLS_LOCK:
         if material not in _CLIENT_TLS:
-            folder = Path(tempfile.mkdtemp(prefix="gymrpc-client-tls-"))
-            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            private = PrivateFolder("gymrpc-client-tls-")
+            atexit.register(private.remove)
+            folder = private.path
             pem = {"cert": cert, "key": key, "client_cert": cert, "client_key": key, "ca": info["ca"]}
             _CLIENT_TLS[material] = _write_tls(folder, {**pem, "server_name": material[3]})[1]
         return _CLIENT_TLS[material]
@@ -161,7 +163,8 @@ class ServerHost:
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         log_dir = Path(config.log_dir or Path(tempfile.gettempdir()) / f"gymrpc-{config.namespace}" / "logs")
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._private = Path(tempfile.mkdtemp(prefix="gymrpc-host-"))  # the token file, the registry's ready file
+        self._folder = PrivateFolder("gymrpc-host-")  # the token file, TLS files, the registry's ready file
+        self._private = self._folder.path
         token_file = self._private / "token"
         auth.write_token_file(token_file, config.token)
         is_registry = spec.role == "registry"
@@ -224,7 +227,7 @@ class ServerHost:
             await self._process.stop()
         if registry is not None:
             await registry.close()
-        shutil.rmtree(self._private, ignore_errors=True)
+        self._folder.remove()
 
     async def _fail(self, error: str) -> None:
         self._error = error
