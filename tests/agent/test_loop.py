@@ -92,6 +92,9 @@ def test_counter_task_walks_every_boundary_and_earns_the_reward() -> None:
         (2, "get_counter_value", False),
     ]
     assert t.tool_calls[2].output == '{"count": 6}'
+    into = agent_pb.Trajectory()
+    assert state.trajectory(into=into) is into  # filled in place (a durable record's final_result)
+    assert into.SerializeToString(deterministic=True) == t.SerializeToString(deterministic=True)
     tool_message = t.messages[6]
     assert (tool_message.tool_call_id, tool_message.name, tool_message.content) == (
         "fake_2",
