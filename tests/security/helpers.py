@@ -166,3 +166,20 @@ def tree(root: Path) -> dict[str, str]:
         elif path.is_file():
             out[key] = f"size {path.stat().st_size}"
     return out
+
+
+RAY_JOB_PRELUDE = """
+import sys, types
+
+info = {"registry": "10.0.0.1:5000", "token": "t", "ca": "CA PEM", "client_cert": "CERT PEM",
+        "client_key": "KEY PEM", "server_name": "gymrpc"}
+ray = types.ModuleType("ray")
+ray.is_initialized = lambda: True
+ray.get_actor = lambda name, namespace: types.SimpleNamespace(info=types.SimpleNamespace(remote=lambda: "ref"))
+ray.get = lambda ref, timeout: dict(info)
+sys.modules["ray"] = ray
+
+from gymrpc.launch.ray import discover_registry
+"""
+"""The start of a Ray job's script with a stand-in for `ray` whose registry actor serves a TLS stack's
+client material: what `discover_registry` leaves on disk is tested, not Ray."""

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 from gymrpc.launch.private import LOCK, PrivateFolder, sweep
+from tests.security.helpers import RAY_JOB_PRELUDE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,20 +88,8 @@ def test_folders_a_sweep_cannot_vouch_for_are_left_alone(tmp_path: Path) -> None
     assert sweep("gymrpc-client-tls-", tmp_path) == [other]
 
 
-JOB = textwrap.dedent(
+JOB = RAY_JOB_PRELUDE + textwrap.dedent(
     """
-    import sys, types
-
-    info = {"registry": "10.0.0.1:5000", "token": "t", "ca": "CA PEM", "client_cert": "CERT PEM",
-            "client_key": "KEY PEM", "server_name": "gymrpc"}
-    ray = types.ModuleType("ray")
-    ray.is_initialized = lambda: True
-    ray.get_actor = lambda name, namespace: types.SimpleNamespace(info=types.SimpleNamespace(remote=lambda: "ref"))
-    ray.get = lambda ref, timeout: dict(info)
-    sys.modules["ray"] = ray
-
-    from gymrpc.launch.ray import discover_registry
-
     print(discover_registry()[2].key, flush=True)
     if sys.argv[1] == "wait":
         sys.stdin.read()

@@ -12,21 +12,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.security.helpers import RAY_JOB_PRELUDE
+
 ROOT = Path(__file__).resolve().parents[2]
 
-JOB = textwrap.dedent(
+JOB = RAY_JOB_PRELUDE + textwrap.dedent(
     """
-    import json, os, stat, sys, types
-
-    info = {"registry": "10.0.0.1:5000", "token": "t", "ca": "CA PEM", "client_cert": "CERT PEM",
-            "client_key": "KEY PEM", "server_name": "gymrpc"}
-    ray = types.ModuleType("ray")
-    ray.is_initialized = lambda: True
-    ray.get_actor = lambda name, namespace: types.SimpleNamespace(info=types.SimpleNamespace(remote=lambda: "ref"))
-    ray.get = lambda ref, timeout: dict(info)
-    sys.modules["ray"] = ray
-
-    from gymrpc.launch.ray import discover_registry
+    import json, os, stat
 
     found = [discover_registry() for _ in range(3)]
     files = found[0][2]
