@@ -17,6 +17,11 @@ def duration(seconds: float) -> duration_pb2.Duration:
     return d
 
 
+def set_duration(target: duration_pb2.Duration, seconds: float) -> None:
+    """`target.CopyFrom(duration(seconds))` for seconds >= 0 without building a message (hot paths)."""
+    target.seconds, target.nanos = divmod(int(seconds * 1e9), 1_000_000_000)
+
+
 def seconds(value: duration_pb2.Duration | timestamp_pb2.Timestamp) -> float:
     return value.ToNanoseconds() / 1e9
 

@@ -28,12 +28,12 @@ class PrivateFolder:
     """A 0700 folder named `<prefix><random>`, locked by this process until `remove`."""
 
     def __init__(self, prefix: str, parent: Path | None = None) -> None:
-        self.parent = Path(parent if parent is not None else tempfile.gettempdir())
-        sweep(prefix, self.parent)
-        staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=self.parent))
+        parent = Path(parent if parent is not None else tempfile.gettempdir())
+        sweep(prefix, parent)
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=parent))
         self._fd: int | None = os.open(staging / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else can hold it
-        self.path = self.parent / (prefix + staging.name.removeprefix(_STAGING))
+        self.path = parent / (prefix + staging.name.removeprefix(_STAGING))
         os.rename(staging, self.path)
 
     def remove(self) -> None:

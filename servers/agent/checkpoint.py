@@ -15,7 +15,7 @@ from typing import Any
 
 from gymrpc.errors import DataLoss
 from gymrpc.ids import ROLLOUT_ID
-from gymrpc.pbtime import seconds
+from gymrpc.pbtime import seconds, set_duration
 from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import SCHEMA_VERSION, EpisodeCheckpoint
 from gymrpc.v1 import agent_service_pb2 as agent_pb
@@ -57,9 +57,9 @@ def record_boundary(
     record.resume_count, record.restart_count = state.resume_count, state.restart_count
     record.failovers, record.session_recoveries = state.failovers, state.session_recoveries
     record.traceparent = state.traceparent
-    _set_duration(record.elapsed, state.elapsed_s)
+    set_duration(record.elapsed, state.elapsed_s)
     if state.parked_s:
-        _set_duration(record.parked, state.parked_s)
+        set_duration(record.parked, state.parked_s)
     if not state.task.tools and len(record.tools) != len(state.tools):
         _replace(record.tools, state.tools)
     _append_tail(record.messages, state.messages)
@@ -78,7 +78,7 @@ def record_completion(record: EpisodeCheckpoint, state: EpisodeState, ttl_s: flo
     record.stop_reason = state.stop_reason  # type: ignore[assignment]
     record.resume_count, record.restart_count = state.resume_count, state.restart_count
     record.failovers, record.session_recoveries = state.failovers, state.session_recoveries
-    _set_duration(record.elapsed, state.elapsed_s)
+    set_duration(record.elapsed, state.elapsed_s)
     for name in (*_IN_PROGRESS_FIELDS, "resource_snapshot"):
         record.ClearField(name)  # type: ignore[arg-type]
     record.ClearField("final_result")
@@ -146,11 +146,6 @@ def check_running(record: EpisodeCheckpoint, *, snapshot: bool = True) -> None:
             f"the checkpoint of episode {label!r} is inconsistent: {'; '.join(problems)}; nothing was changed",
             metadata={"rollout_id": label},
         )
-
-
-def _set_duration(target: Any, value_s: float) -> None:
-    """`target.CopyFrom(duration(value_s))` for a value >= 0, without building a message: it runs at every boundary."""
-    target.seconds, target.nanos = divmod(int(value_s * 1e9), 1_000_000_000)
 
 
 def _append_tail(target: Any, source: list[Any]) -> None:
