@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or refresh) .venv with the project and its dev tools. Sourced by test.sh and demo.sh.
-# Re-installs only when pyproject.toml changed, so repeated runs start in a second.
+# Re-installs only when pyproject.toml (or the C source) changed, so repeated runs start in a second.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${GYMRPC_VENV:-$ROOT/.venv}"
@@ -11,7 +11,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 STAMP="$VENV/.gymrpc-installed"
-WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+# The C extension (setup.py) is built at install: its source changing re-installs too.
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/gymrpc/store/*.c | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "installing gymrpc and its dev tools into $VENV" >&2
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip

@@ -30,7 +30,7 @@ if [ ! -f "$ENGINE_STAMP" ] || [ "$(cat "$ENGINE_STAMP")" != "$ENGINE_WANT" ]; t
   echo "$ENGINE_WANT" > "$ENGINE_STAMP"
 fi
 PROJECT_STAMP="$VENV/.gymrpc-vllm-project"
-PROJECT_WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+PROJECT_WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/gymrpc/store/*.c | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$PROJECT_STAMP" ] || [ "$(cat "$PROJECT_STAMP")" != "$PROJECT_WANT" ]; then
   echo "installing gymrpc and its dev tools into $VENV" >&2
   "${PIP[@]}" install --quiet -e "$ROOT[dev,train]"  # train: matplotlib, for gymrpc train's reward curve

@@ -26,6 +26,11 @@ Fields = dict[int, list[bytes]]
 Values = dict[int, "int | bytes | list[bytes]"]
 """Top-level field values of a record as `Shallow` reads them: a varint as int, a length-delimited
 field as its raw bytes, a repeated field as the list of those."""
+try:
+    from gymrpc.store._fields import diff as _native_diff
+except ImportError:  # built without a C compiler: `Shallow` computes the same deltas with upb and Python
+    _native_diff = None
+
 _FIELD = struct.Struct("<III")
 _U32 = struct.Struct("<I")
 _NONE: list[bytes] = []
@@ -257,6 +262,24 @@ class Shallow:
                 head = tag + (_BYTES[size] if size < 0x80 else _uvarint(size))
                 parts += (_U32.pack(len(head) + size), head, value)
         return b"".join(parts)
+
+
+class Native:
+    """`diff(split(old), split(new))` in C (gymrpc/store/_fields.c), ten times faster than `Shallow`: a
+    revision's state is its own bytes, and the delta is computed without a Python object per field."""
+
+    def values(self, data: bytes, *, serialized: bool = False) -> bytes:
+        return data
+
+    def diff(self, old: bytes, new: bytes) -> bytes | None:
+        """The delta, or None (write `new` whole) if a record's fields are not in field-number order."""
+        assert _native_diff is not None
+        return _native_diff(old, new)
+
+
+def differ(descriptor: Descriptor) -> Native | Shallow:
+    """The fastest way this build has to compute the deltas of records of `descriptor`."""
+    return Native() if _native_diff is not None else Shallow(descriptor)
 
 
 def apply(base: Fields, delta: bytes) -> Fields:

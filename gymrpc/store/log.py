@@ -92,8 +92,8 @@ def _corrupt(where: str, rollout_id: str, problem: str) -> DataLoss:
     )
 
 
-_SHALLOW = fields.Shallow(EpisodeCheckpoint.DESCRIPTOR)
-"""Splits a record into its top-level fields at C speed (a save's delta against the previous one)."""
+_DIFFER = fields.differ(EpisodeCheckpoint.DESCRIPTOR)
+"""A save's delta against the episode's previous record, at C speed."""
 
 
 def _record_from(
@@ -202,7 +202,7 @@ class LogLease(EpisodeLease):
     def __init__(self, store: LogEpisodeStore, rollout_id: str, slot: int, source: _Source) -> None:
         self.store, self.rollout_id, self.slot, self.source = store, rollout_id, slot, source
         self._held = True
-        self.base: fields.Values | None = None
+        self.base: fields.Values | bytes | None = None
         """The fields of the stored record when it is the latest frame in this process's log (a delta's base)."""
         self.deltas = 0
 
@@ -572,7 +572,7 @@ class LogEpisodeStore(EpisodeStore):
                     raise
                 held.source = _Source(source.version, source.revision, fresh)
                 record, data = _record_from(fresh, self._read_own, str(self.folder), held.rollout_id)
-            held.base, held.deltas = (_SHALLOW.values(data) if self.full_every else None), len(source.chain.frames) - 1
+            held.base, held.deltas = (_DIFFER.values(data) if self.full_every else None), len(source.chain.frames) - 1
             return record
         view = source.view
         try:
@@ -611,12 +611,13 @@ class LogEpisodeStore(EpisodeStore):
         stamp.seconds, stamp.nanos = divmod(time.time_ns(), 1_000_000_000)
         try:
             data = record.SerializeToString(deterministic=True)
-            state = _SHALLOW.values(data, serialized=True) if self.full_every else None
+            state = _DIFFER.values(data, serialized=True) if self.full_every else None
             version, expires = held.source.version + 1, codec.expires_at_ns(record)
             kind, payload = frames.FULL, data
             if state is not None and held.base is not None and held.deltas < self.full_every:
-                delta = _SHALLOW.diff(held.base, state)
-                if len(delta) + 4 < len(data) * 3 // 4:  # else a FULL frame: fewer reads at load, little more
+                delta = _DIFFER.diff(held.base, state)  # type: ignore[arg-type]
+                # else a FULL frame: fewer reads at load, little more written
+                if delta is not None and len(delta) + 4 < len(data) * 3 // 4:
                     kind, payload = frames.DELTA, frames.encode_delta_payload(zlib.crc32(data), delta)
             frame = frames.encode(
                 kind, held.rollout_id, payload, version=version, revision=record.revision, expires_ns=expires

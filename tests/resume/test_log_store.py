@@ -63,7 +63,19 @@ def _is_file(path: str) -> bool:
     return Path(path).is_file()
 
 
-def test_saves_are_deltas_one_fsync_per_batch_and_survive_a_reopen(tmp_path: Path) -> None:
+@pytest.mark.parametrize("differ", ["native", "shallow"])
+def test_saves_are_deltas_one_fsync_per_batch_and_survive_a_reopen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, differ: str
+) -> None:
+    """Either way of computing deltas (C, or upb and Python where no compiler built the C one) writes a log
+    that reads back the same."""
+    from gymrpc.store import fields, log
+
+    if differ == "shallow":
+        monkeypatch.setattr(log, "_DIFFER", fields.Shallow(EpisodeCheckpoint.DESCRIPTOR))
+    elif not isinstance(log._DIFFER, fields.Native):
+        pytest.skip("the C diff (gymrpc/store/_fields.c) was not built: no C compiler")
+
     async def scenario() -> tuple[dict[str, EpisodeCheckpoint], LogEpisodeStore]:
         store = LogEpisodeStore(tmp_path)
         records = {f"ep-{i}": _record(f"ep-{i}") for i in range(40)}
