@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -321,9 +322,10 @@ def measure_processes(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
 def split_cost(steps: int, repeats: int = 200) -> dict[str, float]:
     """CPU per boundary of splitting an episode's records of `steps` boundaries into top-level fields
-    and diffing each against the one before, three ways back to back in this process: Python from
-    scratch, Python reusing the previous split (`fields.split(data, like)`), and upb's shallow read
-    (`fields.Shallow`, what LogEpisodeStore.save does)."""
+    and diffing each against the one before, four ways back to back in this process: Python from
+    scratch, Python reusing the previous split (`fields.split(data, like)`), upb's shallow read
+    (`fields.Shallow`, what LogEpisodeStore.save does without a C compiler) and the C diff
+    (`fields.Native`, what it does with one; absent from the result if it was not built)."""
     record, revisions = fresh("split"), []
     for step in range(steps):
         boundary(record, step)
@@ -353,14 +355,25 @@ def split_cost(steps: int, repeats: int = 200) -> dict[str, float]:
                 base = state
         return (time.process_time() - started) / (repeats * steps) * 1e6
 
+    def run_native() -> float:
+        native = fields.Native()
+        started = time.process_time()
+        for _ in range(repeats):
+            for before, after in itertools.pairwise(revisions):
+                native.diff(before, after)
+        return (time.process_time() - started) / (repeats * steps) * 1e6
+
     plain, reusing, upb = run(False), run(True), run_shallow()
-    return {
+    result = {
         "steps": steps,
         "plain_us": plain,
         "reusing_us": reusing,
         "shallow_us": upb,
         "record_bytes": len(revisions[-1]),
     }
+    if isinstance(fields.differ(EpisodeCheckpoint.DESCRIPTOR), fields.Native):
+        result["c_us"] = run_native()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             f"split+diff over {r['steps']:3d} boundaries (last record {r['record_bytes']} B): "
             f"{r['plain_us']:.1f} us per boundary in Python from scratch, {r['reusing_us']:.1f} us reusing the "
             f"previous split, {r['shallow_us']:.1f} us upb shallow (RATIO {r['reusing_us'] / r['shallow_us']:.2f}x)"
+            + (f", {r['c_us']:.2f} us in C (RATIO C / upb {r['shallow_us'] / r['c_us']:.1f}x)" if "c_us" in r else "")
         )
     if args.json:
         args.json.write_text(
