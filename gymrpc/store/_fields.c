@@ -48,13 +48,15 @@ static int entries_push(Entries *e, uint32_t number, const uint8_t *data, Py_ssi
     return 0;
 }
 
-/* Reads a varint at *pos; 0 if it runs past `end` or is longer than 10 bytes. */
-static int read_varint(const uint8_t *data, Py_ssize_t end, Py_ssize_t *pos, uint64_t *value) {
+/* Reads a varint of at most `max_bytes` bytes at *pos that fits in 64 bits; 0 if it runs past `end`,
+ * is longer, or overflows (Python's `fields._varint` reads the same values and refuses the same lengths). */
+static int read_varint(const uint8_t *data, Py_ssize_t end, Py_ssize_t *pos, int max_bytes, uint64_t *value) {
     uint64_t result = 0;
-    for (int shift = 0; shift < 70; shift += 7) {
+    for (int i = 0; i < max_bytes; i++) {
         if (*pos >= end) return 0;
         uint8_t byte = data[(*pos)++];
-        result |= (uint64_t)(byte & 0x7F) << shift;
+        if (i == 9 && byte > 1) return 0;
+        result |= (uint64_t)(byte & 0x7F) << (7 * i);
         if (byte < 0x80) {
             *value = result;
             return 1;
@@ -63,24 +65,27 @@ static int read_varint(const uint8_t *data, Py_ssize_t end, Py_ssize_t *pos, uin
     return 0;
 }
 
-/* 1: split; 0: not a well-formed message in field-number order; -1: out of memory (exception set). */
+/* 1: split; 0: not a well-formed message in field-number order; -1: out of memory (exception set).
+ * Every entry accepted here is split where `fields.split` splits it, so a delta is the Python one;
+ * a refusal (a tag longer than 5 bytes, say, which protobuf never writes) only means a whole write. */
 static int split(const uint8_t *data, Py_ssize_t end, Entries *out) {
     Py_ssize_t pos = 0;
     uint32_t last = 0;
     while (pos < end) {
         Py_ssize_t start = pos;
         uint64_t tag, skip;
-        if (!read_varint(data, end, &pos, &tag) || tag > UINT32_MAX) return 0;
+        if (!read_varint(data, end, &pos, 5, &tag) || tag > UINT32_MAX) return 0;
         uint32_t number = (uint32_t)(tag >> 3);
         switch (tag & 7) {
-            case 0:
-                if (!read_varint(data, end, &pos, &skip)) return 0;
+            case 0: /* skipped as `fields._entry` skips it: to the first byte below 0x80 */
+                while (pos < end && data[pos] >= 0x80) pos++;
+                pos++;
                 break;
             case 1:
                 pos += 8;
                 break;
             case 2:
-                if (!read_varint(data, end, &pos, &skip) || skip > (uint64_t)(end - pos)) return 0;
+                if (!read_varint(data, end, &pos, 10, &skip) || skip > (uint64_t)(end - pos)) return 0;
                 pos += (Py_ssize_t)skip;
                 break;
             case 5:
@@ -179,6 +184,11 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fields", NULL, 0, methods};
+static struct PyModuleDef module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_fields",
+    .m_size = 0,
+    .m_methods = methods,
+};
 
 PyMODINIT_FUNC PyInit__fields(void) { return PyModule_Create(&module); }
