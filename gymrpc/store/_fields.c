@@ -3,9 +3,9 @@
  * The Python twins (gymrpc/store/fields.py) define the format and stay the reference; this module only
  * makes the writer's side cheap: a save spent more CPU splitting and diffing in Python than everything
  * else it does. Both records are split at top-level field boundaries (nested messages are not parsed),
- * then compared field by field. Records whose fields are not in field-number order (unknown fields
- * appended after known ones) are refused with None: `fields.join` would not give their bytes back, so
- * the caller writes them whole.
+ * then compared field by field. Records whose fields are not in field-number order (unknown fields of
+ * lower numbers written after the known ones) are refused with None: `fields.join` would not give their
+ * bytes back, so the caller writes them whole.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -265,7 +265,7 @@ class Shallow:
 
 
 class Native:
-    """`diff(split(old), split(new))` in C (gymrpc/store/_fields.c), ten times faster than `Shallow`: a
+    """`diff(split(old), split(new))` in C (gymrpc/store/_fields.c), 10-20x faster than `Shallow`: a
     revision's state is its own bytes, and the delta is computed without a Python object per field."""
 
     def values(self, data: bytes, *, serialized: bool = False) -> bytes:

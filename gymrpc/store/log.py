@@ -203,7 +203,8 @@ class LogLease(EpisodeLease):
         self.store, self.rollout_id, self.slot, self.source = store, rollout_id, slot, source
         self._held = True
         self.base: fields.Values | bytes | None = None
-        """The fields of the stored record when it is the latest frame in this process's log (a delta's base)."""
+        """The stored record (its bytes, or its fields where the C diff was not built) when it is the latest
+        frame in this process's log: the next save's delta base."""
         self.deltas = 0
 
     @property

@@ -26,13 +26,7 @@ def test_the_c_diff_is_built_where_a_compiler_is() -> None:
     assert isinstance(fields.differ(EpisodeCheckpoint.DESCRIPTOR), fields.Native)
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+_varint = fields._uvarint
 
 
 @st.composite
