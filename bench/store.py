@@ -371,7 +371,7 @@ def split_cost(steps: int, repeats: int = 200) -> dict[str, float]:
         "shallow_us": upb,
         "record_bytes": len(revisions[-1]),
     }
-    if isinstance(fields.differ(EpisodeCheckpoint.DESCRIPTOR), fields.Native):
+    if fields.NATIVE_BUILT:
         result["c_us"] = run_native()
     return result
 

@@ -30,6 +30,8 @@ try:
     from gymrpc.store._fields import diff as _native_diff
 except ImportError:  # built without a C compiler: `Shallow` computes the same deltas with upb and Python
     _native_diff = None
+NATIVE_BUILT = _native_diff is not None
+"""Whether this install compiled the C diff (gymrpc/store/_fields.c)."""
 
 _FIELD = struct.Struct("<III")
 _U32 = struct.Struct("<I")
@@ -279,7 +281,7 @@ class Native:
 
 def differ(descriptor: Descriptor) -> Native | Shallow:
     """The fastest way this build has to compute the deltas of records of `descriptor`."""
-    return Native() if _native_diff is not None else Shallow(descriptor)
+    return Native() if NATIVE_BUILT else Shallow(descriptor)
 
 
 def apply(base: Fields, delta: bytes) -> Fields:
