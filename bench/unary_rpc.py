@@ -623,7 +623,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--variant",
         help="also run a resources server with these comma-separated patches of "
-        "bench/variant_resources_server.py (inline-env, uvloop, no-guard, metrics, tracing) and compare",
+        "bench/variant_resources_server.py (inline-env, asyncio, no-guard, metrics, tracing) and compare",
     )
     parser.add_argument("--json", type=Path, help="write all results here")
     args = parser.parse_args(argv)

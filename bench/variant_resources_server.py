@@ -1,13 +1,13 @@
 """`python -m gymrpc.servers.resources` with bench-only patches, to measure candidate changes A/B.
 
-    python bench/variant_resources_server.py --patch inline-env --patch uvloop -- <gymrpc.servers.resources args>
+    python bench/variant_resources_server.py --patch inline-env --patch asyncio -- <gymrpc.servers.resources args>
 
 Patches (none touch the files; they replace attributes in this process only):
   inline-env  `SessionHost.run` calls environment code on the event loop instead of its thread pool
-  uvloop      the server's event loop is uvloop instead of asyncio's default loop
   no-guard    `start_server` adds servicers without `gymrpc.servers.guard` (no token check, no error mapping)
 
 Not patches but real configurations, measured against the same server without them:
+  asyncio     `--event-loop asyncio`: asyncio's own loop instead of uvloop (the servers' default)
   metrics     `--metrics-port 0`
   tracing     `GYMRPC_TRACES_FILE` beside the ready file: every call a SERVER span, written as it ends
 """
@@ -15,7 +15,6 @@ Not patches but real configurations, measured against the same server without th
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from typing import Any
 
 from gymrpc.tracing import TRACES_FILE_ENV
 
-PATCHES = ("inline-env", "uvloop", "no-guard", "metrics", "tracing")
+PATCHES = ("inline-env", "asyncio", "no-guard", "metrics", "tracing")
 
 
 def apply(patches: list[str]) -> None:
@@ -35,10 +34,6 @@ def apply(patches: list[str]) -> None:
             return fn(*args)
 
         SessionHost.run = run_inline  # type: ignore[method-assign]
-    if "uvloop" in patches:
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     if "no-guard" in patches:
         import gymrpc.servers.bootstrap
 
@@ -54,6 +49,8 @@ def main() -> None:
     from gymrpc.servers.resources.__main__ import main as resources_main
 
     sys.argv = ["gymrpc.servers.resources", *(a for a in args.rest if a != "--")]
+    if "asyncio" in args.patch:
+        sys.argv += ["--event-loop", "asyncio"]
     if "metrics" in args.patch:
         sys.argv += ["--metrics-port", "0"]
     if "tracing" in args.patch:

@@ -44,6 +44,8 @@ from gymrpc.tls import TlsFiles, is_loopback_bind
 
 log = logging.getLogger(__name__)
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
 
 @dataclass(frozen=True)
 class ServiceBinding:
@@ -112,7 +114,9 @@ class RunningServer:
         metrics_url: str | None = None,
     ) -> None:
         self.server, self.address, self.health = server, address, health_servicer
-        self._lease, self._registry, self._grace, self._lock_fd = lease, registry, grace, lock_fd
+        self.lease, self.registry = lease, registry
+        """Its name lease and registry client (None without a registry)."""
+        self._grace, self._lock_fd = grace, lock_fd
         self._stopped: asyncio.Task[None] | None = None
         self.admission = admission
         """The server's in-flight call count and limit."""
@@ -126,12 +130,12 @@ class RunningServer:
 
     async def _stop(self, grace: float) -> None:
         log.info("stopping", extra={"address": self.address, "grace_s": grace})
-        if self._lease is not None:
-            await self._lease.close()
+        if self.lease is not None:
+            await self.lease.close()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        if self._registry is not None:
-            await self._registry.close()
+        if self.registry is not None:
+            await self.registry.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         if self.metrics is not None:
@@ -252,36 +256,53 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
         metrics_url = metrics.serve(_metrics_host(address), config.metrics_port)
         labels["metrics"] = metrics_url  # clients and `gymrpc top` find the metrics next to the address
     await server.start()
-    lease = registry = None
+    running = RunningServer(
+        server, address, health_servicer, None, None, config.grace, lock_fd, admission, metrics, metrics_url
+    )
+    try:
+        await _announce(running, config, names, labels)
+    except BaseException:  # cancelled (a signal while it waited for a name) or the registry refused: unbind
+        await running.stop(0)
+        raise
+    return running
+
+
+async def _announce(running: RunningServer, config: ServerConfig, names: list[str], labels: dict[str, str]) -> None:
+    """Health SERVING once every name it depends on resolves, then the registry lease and the ready file."""
+    health_servicer = running.health
     if config.registry:
-        registry = RegistryClient(config.registry, token=config.token, tls=config.tls)
+        registry = running.registry = RegistryClient(config.registry, token=config.token, tls=config.tls)
         if config.depends_on:
             for service in ("", *names):
                 await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
             await _await_names(registry, config.name, config.depends_on)
     for service in ("", *names):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    if registry is not None:
-        lease = NameLease(
-            registry,
+    if running.registry is not None:
+        running.lease = NameLease(
+            running.registry,
             config.name,
-            address,
+            running.address,
             endpoint_id=config.endpoint_id,
             ttl=config.lease_ttl,
             labels=labels,
             lease_file=config.lease_file,
         )
-        await lease.start()
+        await running.lease.start()
+    event_loop = running_loop_name()
     if config.ready_file is not None:
-        ready = {"address": address, "pid": os.getpid(), "name": config.name}
-        if metrics_url is not None:
-            ready["metrics"] = metrics_url
+        ready = {"address": running.address, "pid": os.getpid(), "name": config.name, "event_loop": event_loop}
+        if running.metrics_url is not None:
+            ready["metrics"] = running.metrics_url
         write_text_atomic(config.ready_file, json.dumps(ready))
-    served = {"service": config.name, "address": address, "services": ",".join(names), "metrics": metrics_url or "off"}
+    served = {
+        "service": config.name,
+        "address": running.address,
+        "services": ",".join(names),
+        "metrics": running.metrics_url or "off",
+        "event_loop": event_loop,
+    }
     log.info("serving", extra=served)
-    return RunningServer(
-        server, address, health_servicer, lease, registry, config.grace, lock_fd, admission, metrics, metrics_url
-    )
 
 
 def _metrics_host(address: str) -> str:
@@ -314,13 +335,22 @@ async def serve(
     on_start: Callable[[RunningServer], None] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then stop gracefully and run `on_stop`."""
-    running = await start_server(config, bindings)
-    if on_start is not None:
-        on_start(running)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop.set)  # before the ready file: a signal right after it stops gracefully
+    starting = asyncio.ensure_future(start_server(config, bindings))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # stopped while it waited for a name it depends on: it served nothing yet
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return
+    stopping.cancel()
+    running = starting.result()
+    if on_start is not None:
+        on_start(running)
     watchdog = loop.create_task(_watch_supervisor(stop))
     await stop.wait()
     watchdog.cancel()
@@ -395,6 +425,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_name: str) 
         default=None,
         help="serve Prometheus metrics on this HTTP port of the bind host (0: a free port; default: off)",
     )
+    parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default=os.environ.get("GYMRPC_EVENT_LOOP", "auto"),
+        help="auto: uvloop where installed, else asyncio's (default $GYMRPC_EVENT_LOOP or %(default)s)",
+    )
     parser.add_argument("--log-level", default=None)
 
 
@@ -427,12 +463,43 @@ def tls_from_arguments(args: argparse.Namespace) -> TlsFiles | None:
     return TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=args.tls_server_name)
 
 
-def run(component: str, main: Callable[[], Awaitable[None]], level: str | None = None) -> None:
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop a server runs on; None for asyncio's own.
+
+    "auto" is uvloop where it is installed (a dependency on Linux and macOS): a wake-up from another
+    thread (the episode log's commit thread, the session host's pool) costs a fraction of asyncio's
+    self-pipe, and durable resume makes one per batch (bench/README.md, `resume.py`)."""
+    if choice not in EVENT_LOOPS:
+        raise ValueError(f"event loop {choice!r} is not one of {', '.join(EVENT_LOOPS)}")
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return None
+    return uvloop.new_event_loop
+
+
+def running_loop_name() -> str:
+    """The loop running: uvloop or asyncio (the ready file and the serving log say which)."""
+    return type(asyncio.get_running_loop()).__module__.partition(".")[0]
+
+
+def run(
+    component: str, main: Callable[[], Awaitable[None]], level: str | None = None, event_loop: str = "auto"
+) -> None:
     """Process entry point shared by every server's `__main__`."""
     logs.configure(component, level)
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(main())
+        factory = loop_factory(event_loop)
+    except ValueError as exc:
+        print(f"{component}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    try:
+        with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(main())
     except TransportRefused as exc:
         log.error("%s", exc)
         print(f"{component}: {exc}", file=sys.stderr, flush=True)

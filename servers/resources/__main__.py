@@ -57,7 +57,7 @@ def main() -> None:
 
         await serve(config, bindings, on_stop=stop)
 
-    run(f"resources:{args.environment}", main_async, args.log_level)
+    run(f"resources:{args.environment}", main_async, args.log_level, args.event_loop)
 
 
 if __name__ == "__main__":
