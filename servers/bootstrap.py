@@ -339,25 +339,36 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # before the ready file: a signal right after it stops gracefully
-    starting = asyncio.ensure_future(start_server(config, bindings))
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():  # stopped while it waited for a name it depends on: it served nothing yet
-        starting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await starting
-        return
-    stopping.cancel()
-    running = starting.result()
-    if on_start is not None:
-        on_start(running)
     watchdog = loop.create_task(_watch_supervisor(stop))
-    await stop.wait()
+    running = await _start_unless_stopped(config, bindings, stop)
+    if running is not None:
+        if on_start is not None:
+            on_start(running)
+        await stop.wait()
     watchdog.cancel()
-    await running.stop()
+    if running is not None:
+        await running.stop()
     if on_stop is not None:
         await on_stop()
     tracing.shutdown()  # the process ends: flush what an OTLP exporter still batches
+
+
+async def _start_unless_stopped(
+    config: ServerConfig, bindings: Sequence[ServiceBinding], stop: asyncio.Event
+) -> RunningServer | None:
+    """The started server; None when `stop` came first (it waited for a name it depends on: nothing served)."""
+    starting = asyncio.ensure_future(start_server(config, bindings))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if starting.done():
+        return starting.result()
+    starting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await starting
+    return None
 
 
 async def _watch_supervisor(stop: asyncio.Event) -> None:
