@@ -269,15 +269,14 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
 
 async def _announce(running: RunningServer, config: ServerConfig, names: list[str], labels: dict[str, str]) -> None:
     """Health SERVING once every name it depends on resolves, then the registry lease and the ready file."""
-    health_servicer = running.health
     if config.registry:
-        registry = running.registry = RegistryClient(config.registry, token=config.token, tls=config.tls)
+        running.registry = RegistryClient(config.registry, token=config.token, tls=config.tls)
         if config.depends_on:
             for service in ("", *names):
-                await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-            await _await_names(registry, config.name, config.depends_on)
+                await running.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await _await_names(running.registry, config.name, config.depends_on)
     for service in ("", *names):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await running.health.set(service, health_pb2.HealthCheckResponse.SERVING)
     if running.registry is not None:
         running.lease = NameLease(
             running.registry,
@@ -497,13 +496,12 @@ def running_loop_name() -> str:
     return type(asyncio.get_running_loop()).__module__.partition(".")[0]
 
 
-def run(
-    component: str, main: Callable[[], Awaitable[None]], level: str | None = None, event_loop: str = "auto"
-) -> None:
-    """Process entry point shared by every server's `__main__`."""
-    logs.configure(component, level)
+def run(component: str, main: Callable[[], Awaitable[None]], args: argparse.Namespace) -> None:
+    """Process entry point shared by every server's `__main__`; `args` from `add_common_arguments`
+    (its log level and event loop)."""
+    logs.configure(component, args.log_level)
     try:
-        factory = loop_factory(event_loop)
+        factory = loop_factory(args.event_loop)
     except ValueError as exc:
         print(f"{component}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -76,4 +76,4 @@ def main(argv: list[str] | None = None) -> None:
 
         await serve(config, [binding], on_stop=on_stop)
 
-    run(f"agentkit:{args.name.partition('/')[2]}", main_async, args.log_level, args.event_loop)
+    run(f"agentkit:{args.name.partition('/')[2]}", main_async, args)

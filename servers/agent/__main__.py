@@ -232,7 +232,7 @@ def main() -> None:
 
         await serve(server_config, bindings, on_stop=on_stop, on_start=on_start)
 
-    run(f"agent:{args.name.partition('/')[2]}", main_async, args.log_level, args.event_loop)
+    run(f"agent:{args.name.partition('/')[2]}", main_async, args)
 
 
 async def _sweep(store: EpisodeStore) -> None:

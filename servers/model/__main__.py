@@ -281,7 +281,7 @@ def main() -> None:
 
         await serve(serving, bindings, on_stop=stop)
 
-    run(f"model:{args.backend}", main_async, args.log_level, args.event_loop)
+    run(f"model:{args.backend}", main_async, args)
 
 
 if __name__ == "__main__":

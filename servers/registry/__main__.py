@@ -27,7 +27,7 @@ def main() -> None:
         )
         await serve(config, [binding], on_stop=servicer.stop)
 
-    run("registry", main_async, args.log_level, args.event_loop)
+    run("registry", main_async, args)
 
 
 if __name__ == "__main__":

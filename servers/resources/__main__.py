@@ -57,7 +57,7 @@ def main() -> None:
 
         await serve(config, bindings, on_stop=stop)
 
-    run(f"resources:{args.environment}", main_async, args.log_level, args.event_loop)
+    run(f"resources:{args.environment}", main_async, args)
 
 
 if __name__ == "__main__":

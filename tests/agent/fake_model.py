@@ -118,7 +118,7 @@ def main() -> None:
         )
         await serve(config, [binding])
 
-    run("model:fake", main_async, args.log_level)
+    run("model:fake", main_async, args)
 
 
 if __name__ == "__main__":
