@@ -243,7 +243,7 @@ def _lock(path: Path, stale_temp: Path | None = None) -> int:
     raise OSError(errno.EAGAIN, f"lock file {path} keeps being replaced")
 
 
-def _read(path: Path) -> bytes | None:
+def _read(path: Path | str) -> bytes | None:
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -251,7 +251,7 @@ def _read(path: Path) -> bytes | None:
         return None
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: Path | str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 

@@ -26,6 +26,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 MAGIC = b"GRL1"
 HEADER = struct.Struct("<4sIBBHQQQI")
@@ -38,8 +39,7 @@ _COMMIT_ENTRY = struct.Struct("<HQ")
 _DELTA_CRC = struct.Struct("<I")
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(NamedTuple):
     kind: int
     rollout_id: str
     version: int
@@ -163,7 +163,7 @@ class LogIndex:
         """Apply every valid frame of `data` (at `base` in the segment); the offset just past the last valid one."""
         end = base
         for item in scan(data, base):
-            if isinstance(item, tuple):
+            if not isinstance(item, Frame):
                 self.damage.append((segment, *item))
                 continue
             self.apply(segment, item)
@@ -172,8 +172,7 @@ class LogIndex:
 
     def apply(self, segment: int, frame: Frame, size: int | None = None) -> None:
         """`size`: the record's bytes, for a frame built without its payload."""
-        kind, rid = frame.kind, frame.rollout_id
-        where = (segment, frame.offset, frame.length)
+        kind = frame.kind
         if kind == COMMIT:
             for rollout_id, version in decode_commit(frame.payload):
                 if (rollout_id, version) not in self._batch:
@@ -188,30 +187,50 @@ class LogIndex:
         if kind == COMPACT_END:
             self._before_compaction, self.compaction_segment = None, None
             return
-        if kind in (FULL, DELTA, TOMBSTONE):
-            self._batch.add((rid, frame.version))
+        if size is None and kind == FULL:
+            size = len(frame.payload)
+        self.place(
+            segment, kind, frame.rollout_id, frame.version, frame.revision, frame.expires_ns, frame.offset,
+            frame.length, size,
+        )
+
+    def place(
+        self,
+        segment: int,
+        kind: int,
+        rid: str,
+        version: int,
+        revision: int,
+        expires_ns: int,
+        offset: int,
+        length: int,
+        size: int | None,
+    ) -> None:
+        """A frame of one episode at (segment, offset, length), as `apply` takes it but without a `Frame`: the
+        commit thread places each frame it wrote (`size`: the record's bytes; None leaves a delta's as it was)."""
+        if kind in DATA_KINDS or kind == TOMBSTONE:
+            self._batch.add((rid, version))
         chain = self.chains.get(rid)
-        if chain is not None and frame.version <= chain.version and kind != DAMAGED:
+        if chain is not None and version <= chain.version and kind != DAMAGED:
             return  # an older write (cannot happen in one log; harmless)
         if kind == FULL:
-            record_size = len(frame.payload) if size is None else size
-            self.chains[rid] = Chain(frame.version, frame.revision, frame.expires_ns, [where], record_size)
+            self.chains[rid] = Chain(version, revision, expires_ns, [(segment, offset, length)], size or 0)
         elif kind == DELTA:
-            if chain is None or chain.deleted or chain.version != frame.version - 1:
-                self._mark_damaged(rid, frame.version)
+            if chain is None or chain.deleted or chain.version != version - 1:
+                self._mark_damaged(rid, version)
                 return
-            chain.version, chain.revision, chain.expires_ns = frame.version, frame.revision, frame.expires_ns
-            chain.frames.append(where)
+            chain.version, chain.revision, chain.expires_ns = version, revision, expires_ns
+            chain.frames.append((segment, offset, length))
             if size is not None:
                 chain.size = size
         elif kind == TOMBSTONE:
-            self.chains[rid] = Chain(frame.version, 0, 0, [])
+            self.chains[rid] = Chain(version, 0, 0, [])
         elif kind == DAMAGED:
-            self._mark_damaged(rid, frame.version)
+            self._mark_damaged(rid, version)
             return
         else:
             return  # a kind from a newer writer: skipped (it carries no episode state this reader knows)
-        if self.damaged.get(rid, 0) <= frame.version:
+        if self.damaged.get(rid, 0) <= version:
             self.damaged.pop(rid, None)
 
     def _mark_damaged(self, rollout_id: str, version: int) -> None:

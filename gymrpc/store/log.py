@@ -177,14 +177,14 @@ class _Lookup:
     """A lease's question (where is this episode's record?) waiting for the I/O threads."""
 
     rollout_id: str
-    legacy: Path
+    legacy: str
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[_Source]
     source: _Source | None = None
     error: BaseException | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Source:
     """Where an episode's current record is, as resolved when its lease was taken."""
 
@@ -193,7 +193,7 @@ class _Source:
     chain: frames.Chain | None = None
     view: LogView | None = None
     """None: this process's own log."""
-    legacy: Path | None = None
+    legacy: str | None = None
     """A `FilesystemEpisodeStore` record file."""
     damaged: bool = False
 
@@ -254,6 +254,7 @@ class LogEpisodeStore(EpisodeStore):
     ) -> None:
         self.root = Path(root).absolute()
         self.episodes, self.archive_dir, self.logs = self.root / "episodes", self.root / "archive", self.root / "logs"
+        self._episodes_prefix = f"{self.episodes}{os.sep}"
         self.lease_retry_delay, self.max_batch, self.full_every = lease_retry_delay, max_batch, full_every
         self.compact_min_bytes, self.compact_ratio = compact_min_bytes, compact_ratio
         self.stats = LogStats()
@@ -403,10 +404,10 @@ class LogEpisodeStore(EpisodeStore):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _paths(self, rollout_id: str) -> tuple[str, Path]:
+    def _paths(self, rollout_id: str) -> tuple[str, str]:
         """The episode's key and where `FilesystemEpisodeStore` keeps (kept) its record."""
         key = hashlib.sha256(check_id(rollout_id, "episode_id.rollout_id").encode()).hexdigest()
-        return key, self.episodes / key[:2] / f"{key}.ckpt"
+        return key, f"{self._episodes_prefix}{key[:2]}{os.sep}{key}.ckpt"  # a str: a Path per lease costs more
 
     async def _io(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -426,7 +427,7 @@ class LogEpisodeStore(EpisodeStore):
                 view.refresh()
             return list(self._views.values())
 
-    def _resolve(self, rollout_id: str, legacy: Path, views: list[LogView] | None = None) -> _Source:
+    def _resolve(self, rollout_id: str, legacy: str, views: list[LogView] | None = None) -> _Source:
         """The newest write of the episode across this log, every other log of the folder and a legacy file.
 
         `views`: the other logs, refreshed after the episode's lease was taken (default: refreshed here).
@@ -471,7 +472,7 @@ class LogEpisodeStore(EpisodeStore):
             raise
         return LogLease(self, rollout_id, at, source)
 
-    def _look_up_alone(self, rollout_id: str, legacy: Path) -> _Source | None:
+    def _look_up_alone(self, rollout_id: str, legacy: str) -> _Source | None:
         """`_resolve` right here while this log is the folder's only one (a folder listing and a legacy
         file probe, a few microseconds of system calls), else None: a trip to the I/O threads costs the
         event loop more than that (a wake-up, the GIL handed over and back). Other logs' tails can be
@@ -480,7 +481,7 @@ class LogEpisodeStore(EpisodeStore):
             return None
         return self._resolve(rollout_id, legacy, [])
 
-    async def _look_up(self, rollout_id: str, legacy: Path) -> _Source:
+    async def _look_up(self, rollout_id: str, legacy: str) -> _Source:
         """`_resolve` in the I/O threads; the leases taken meanwhile share one trip and one refresh of the other logs.
 
         A trip to the threads costs more CPU than the lookup (about 80 us against 15-30 us measured on
@@ -758,17 +759,13 @@ class LogEpisodeStore(EpisodeStore):
                 self.stats.bytes += size
                 self._bytes += size
                 self._end = start + size
-                offset = start
+                offset, place = start, self.index.place  # no Frame per save: the fields are at hand
                 for a in batch:
-                    parsed = frames.Frame(
-                        a.kind, a.rollout_id, a.version, a.revision, a.expires_ns, offset, len(a.frame), b""
-                    )
-                    self.index.apply(seq, parsed, a.size)
-                    offset += len(a.frame)
-                    if a.kind == frames.FULL:
-                        self.stats.full_frames += 1
-                    elif a.kind == frames.DELTA:
-                        self.stats.delta_frames += 1
+                    length = len(a.frame)
+                    place(seq, a.kind, a.rollout_id, a.version, a.revision, a.expires_ns, offset, length, a.size)
+                    offset += length
+                self.stats.full_frames += sum(a.kind == frames.FULL for a in batch)
+                self.stats.delta_frames += sum(a.kind == frames.DELTA for a in batch)
                 self.index.apply(seq, frames.Frame(frames.COMMIT, "", 0, 0, 0, offset, len(commit), b""))
         if error is not None:
             self.stats.failures += len(batch)
@@ -839,7 +836,7 @@ class LogEpisodeStore(EpisodeStore):
             if elsewhere > chain.version:
                 continue  # taken over by another process: its log has the record
             if chain.deleted:
-                if not elsewhere and not self._paths(rid)[1].exists():
+                if not elsewhere and not os.path.exists(self._paths(rid)[1]):
                     continue  # nothing older anywhere for the tombstone to hide
                 frame = frames.encode(frames.TOMBSTONE, rid, version=chain.version)
                 kind, size = frames.TOMBSTONE, 0
