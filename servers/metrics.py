@@ -236,6 +236,7 @@ _STORE_HELP = {
     "full_frames": ("gymrpc_store_full_frames", "Log records holding a whole episode"),
     "delta_frames": ("gymrpc_store_delta_frames", "Log records holding only what changed since the previous boundary"),
     "compactions": ("gymrpc_store_compactions", "Log compactions"),
+    "full_delays": ("gymrpc_store_full_commit_delays", "Group commits that waited the whole commit delay"),
 }
 
 

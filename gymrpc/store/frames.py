@@ -190,8 +190,15 @@ class LogIndex:
         if size is None and kind == FULL:
             size = len(frame.payload)
         self.place(
-            segment, kind, frame.rollout_id, frame.version, frame.revision, frame.expires_ns, frame.offset,
-            frame.length, size,
+            segment,
+            kind,
+            frame.rollout_id,
+            frame.version,
+            frame.revision,
+            frame.expires_ns,
+            frame.offset,
+            frame.length,
+            size,
         )
 
     def place(

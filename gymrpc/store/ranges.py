@@ -89,6 +89,10 @@ class RangeLocks:
             self._held.add(at)
             return True
 
+    def count(self) -> int:
+        """Slots held now (a set's size: no lock needed to read it)."""
+        return len(self._held)
+
     def release(self, at: int) -> None:
         with self._mutex:
             if at in self._held:

@@ -43,6 +43,7 @@ from gymrpc.servers.bootstrap import (
 )
 from gymrpc.servers.participant import add_participant_arguments, start_plane, wants_participant
 from gymrpc.store import EpisodeStore, FilesystemEpisodeStore, LogEpisodeStore
+from gymrpc.store.log import DEFAULT_COMMIT_DELAY, MAX_COMMIT_DELAY
 from gymrpc.v1 import agent_service_pb2 as pb
 from gymrpc.v1 import agent_service_pb2_grpc as pb_grpc
 
@@ -115,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="file",
         help="with --resume-store files: fsync per file (default) or syncfs per batch",
     )
+    resume.add_argument(
+        "--resume-commit-delay",
+        type=float,
+        metavar="MS",
+        help=f"with --resume-store log: milliseconds a batch of saves waits for more to join before its one sync "
+        f"(default {DEFAULT_COMMIT_DELAY * 1000:g}; 0: at once); it never waits while every episode in flight "
+        "has a save waiting",
+    )
     add_participant_arguments(parser)
     return parser
 
@@ -126,6 +135,11 @@ def main() -> None:
         return serve_function()  # an agent function (gymrpc.agentkit) instead of the built-in loop
     parser = build_parser()
     args = parser.parse_args()
+    if args.resume_commit_delay is not None:
+        if args.resume_store != "log":
+            parser.error("--resume-commit-delay applies to --resume-store log only")
+        if not 0 <= args.resume_commit_delay <= MAX_COMMIT_DELAY * 1000:
+            parser.error(f"--resume-commit-delay must be 0-{MAX_COMMIT_DELAY * 1000:g} ms")
     server_config = dataclasses.replace(config_from_arguments(args), depends_on=(args.resources, args.model))
     if args.resume_dir is not None:
         # Controllers read it in the registry: this agent is no participant, so they refuse the stack.
@@ -155,7 +169,8 @@ def main() -> None:
             filesystem = check_checkpoint_dir(args.resume_dir, ofd=args.resume_store == "log")
             _raise_open_file_limit()  # files store: one lock file per running episode
             if args.resume_store == "log":
-                store = LogEpisodeStore(args.resume_dir)
+                delay = DEFAULT_COMMIT_DELAY if args.resume_commit_delay is None else args.resume_commit_delay / 1000
+                store = LogEpisodeStore(args.resume_dir, commit_delay=delay)
             else:
                 store = FilesystemEpisodeStore(args.resume_dir, sync=args.resume_sync)
     except CheckpointDirError as exc:
@@ -183,6 +198,7 @@ def main() -> None:
                     "resume_dir": str(args.resume_dir.absolute()),
                     "store": args.resume_store,
                     "sync": args.resume_sync,
+                    "commit_delay_ms": store.commit_delay * 1000 if isinstance(store, LogEpisodeStore) else None,
                     "filesystem": filesystem,
                 },
             )

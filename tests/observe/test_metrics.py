@@ -193,6 +193,8 @@ def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: An
     assert total(page, "gymrpc_store_fsyncs_total") >= total(page, "gymrpc_store_group_commits_total")
     assert total(page, "gymrpc_store_written_bytes_total") > 0
     assert total(page, "gymrpc_store_failed_writes_total") == 0
+    assert ("gymrpc_store_full_commit_delays_total", ()) in page, "the commit delay's counter is exported"
+    assert total(page, "gymrpc_store_full_commit_delays_total") <= total(page, "gymrpc_store_group_commits_total")
     assert "gymrpc_store_fsyncs_total" not in {n for n, _ in scrape(metrics_urls(run_dir)["model/policy"])}
     # The session snapshots came in the replies of SeedSession and CallTool (`snapshot_in_replies`).
     resources = scrape(metrics_urls(run_dir)["resources/counter"])

@@ -13,6 +13,7 @@ the store on real files.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import os
@@ -222,6 +223,48 @@ def test_a_failed_write_stops_saves_and_loses_nothing_acknowledged(
         return loaded
 
     assert asyncio.run(reopened()) == [kept, None, None]
+
+
+def test_a_batch_waits_for_more_saves_only_while_another_can_come(tmp_path: Path) -> None:
+    """The commit delay gathers saves into one sync, and ends as soon as every lease held has a save waiting.
+
+    The delays are long (1 s) so that a wait which should have ended early shows as a full delay in the
+    counters, not as a slow test."""
+
+    async def scenario() -> None:
+        store = LogEpisodeStore(tmp_path / "alone", commit_delay=1.0)
+        record = _record()
+        async with store.lease("ep") as lease:
+            for step in range(20):
+                _grow(record, step)
+                await store.save(lease, record)
+        assert (store.stats.batches, store.stats.full_delays) == (20, 0), "one episode alone never waits"
+        assert await _load(store, "ep") == record
+        await store.close()
+
+        store = LogEpisodeStore(tmp_path / "together", commit_delay=1.0)
+        records = [_record(f"ep-{i}") for i in range(8)]
+        async with contextlib.AsyncExitStack() as stack:
+            leases = [await stack.enter_async_context(store.lease(r.episode_id.rollout_id)) for r in records]
+            await asyncio.gather(*(store.save(lease, r) for lease, r in zip(leases, records, strict=True)))
+        assert (store.stats.batches, store.stats.full_delays) == (1, 0), "eight episodes, eight saves: one sync"
+        await store.close()
+
+        store = LogEpisodeStore(tmp_path / "waits", commit_delay=0.05)
+        async with store.lease("busy"), store.lease("ep") as lease:  # "busy" may save any moment: worth waiting
+            await store.save(lease, record := _record())
+        assert (store.stats.batches, store.stats.full_delays) == (1, 1)
+        assert await _load(store, "ep") == record
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("delay", [-0.001, 1.5])
+def test_a_commit_delay_out_of_range_is_refused(tmp_path: Path, delay: float) -> None:
+    with pytest.raises(ValueError, match=r"commit_delay must be 0-1\.0 s"):
+        LogEpisodeStore(tmp_path, commit_delay=delay)
+    assert not (tmp_path / "logs").exists(), "refused before anything was created"
 
 
 def test_revision_guard_and_lease_contention(tmp_path: Path) -> None:

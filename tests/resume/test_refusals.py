@@ -267,6 +267,9 @@ def test_agent_process_refuses_a_resources_server_without_snapshots(start_stack:
         ({}, ["--resume-dir", "/proc/no-such-folder"], "--resume-dir: checkpoint folder /proc/no-such-folder"),
         ({"GYMRPC_CRASH_AT": "after_lunch"}, [], "GYMRPC_CRASH_AT='after_lunch'"),
         ({"GYMRPC_CRASH_AT": "after_tool:1"}, [], "needs GYMRPC_CRASH_MARKER"),
+        ({}, ["--resume-commit-delay", "5000"], "--resume-commit-delay must be 0-1000 ms"),
+        ({}, ["--resume-commit-delay", "-1"], "--resume-commit-delay must be 0-1000 ms"),
+        ({}, ["--resume-store", "files", "--resume-commit-delay", "2"], "applies to --resume-store log only"),
     ],
 )
 def test_agent_cli_refuses_bad_resume_settings(env: dict[str, str], argv: list[str], message: str) -> None:
