@@ -13,8 +13,9 @@ episode's previous frame: `fields`) handed to the commit thread, which writes ev
 pending frame plus a COMMIT frame with one `pwritev2(RWF_DSYNC)` (a write and its
 `fdatasync` in one system call), then wakes every waiter: one sync per batch, not per
 boundary. A batch first waits up to `commit_delay` (2 ms) for more saves to join, unless every
-lease held already has a save waiting: the sync is most of a save's CPU. A process adopts a log whose owner died (its lock is free) or starts a new one; an adopted log is
-scanned, its torn tail cut off. Several agent processes can share the folder (replicas):
+lease held already has a save waiting: the sync is most of a save's CPU. A process adopts a log
+whose owner died (its lock is free) or starts a new one; an adopted log is scanned, its torn
+tail cut off. Several agent processes can share the folder (replicas):
 an episode's lease is an OFD byte-range lock (`ranges`: no file per episode), and its record is its highest-version
 write in any log of the folder, so a replica that takes an episode over reads it from the
 other process's log (tailed incrementally) and writes it on in its own. When a log's bytes
