@@ -245,9 +245,8 @@ class LogEpisodeStore(EpisodeStore):
         max_batch: most frames committed together.
         commit_delay: seconds a batch waits, after its first save, for more saves to join before it is
             written and synced (0: at once). It ends early once every lease held has a save waiting (no
-            other save can come), so one episode alone never waits. One sync per batch is most of a save's
-            CPU, so on a busy agent a short wait costs each save less CPU than it adds latency (`bench/README.md`,
-            "A commit delay").
+            other save can come), so one episode alone never waits. The batch's sync is most of a save's CPU:
+            on a busy agent, twice the saves per sync for 2 ms of latency (`bench/README.md`, "A commit delay").
         full_every: a FULL frame at least every this many deltas of an episode (bounds a load's reads);
             0 writes every boundary whole (no field split and diff: less CPU, more bytes).
         compact_min_bytes: the log is never compacted below this size ...
