@@ -11,12 +11,14 @@ counter tasks through `gymrpc.Client.run` at a fixed concurrency; episodes/s is 
 over the timed rounds.
 
 Durability cost is reported three ways:
-- episodes/s ratio on/off (and agent CPU seconds per episode, from /proc; the CPU a
-  boundary adds is the difference to `agent/off` divided by the boundaries per episode, over
-  all timed rounds and, for its spread, round by round against `off`'s round of the same
-  number (they run back to back); and the stack's CPU per episode: the agent's plus, during
-  its rounds, each shared server's (resources, model) and this client's, which is what a
-  CPU-bound stack's episodes/s follows);
+- episodes/s ratio on/off, of the medians and, for its spread, round by round (a round of
+  `on` and `off`'s round of the same number run back to back); agent CPU seconds per episode,
+  from /proc, and its main thread's share (the event loop; the rest is the store's and
+  gRPC's threads); the CPU a boundary adds is the difference to `agent/off` divided by the
+  boundaries per episode, over all timed rounds and round by round; the stack's CPU per
+  episode: the agent's plus, during its rounds, each shared server's (resources, model) and
+  this client's; and how busy the whole machine was during its rounds: near 100 %, the
+  stack is CPU-bound and its episodes/s follows its CPU per episode;
 - bytes per boundary: the store's own count of record bytes written (header + payload)
   divided by the saves it made, and saves (boundaries) and fsyncs per episode; the agent
   logs these counters when it stops gracefully, which the bench parses;
@@ -166,22 +168,28 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
     round_cpu: dict[str, list[float]] = {a: [] for a in agents}  # the agent's CPU ms per episode, each timed round
     ran = dict.fromkeys(agents, 0)
     shared_cpu = {a: dict.fromkeys((*SHARED, CLIENT), 0.0) for a in agents}  # CPU seconds in a's timed rounds
+    machine = {a: [0, 0] for a in agents}  # busy and all CPU ticks of the whole machine in a's timed rounds
     async with Client(run_dir=stack.run_dir) as client:
         for agent in agents:  # warm-up: connections, the agents' first ListTools/probe, page cache
             await run_round(client, agent, f"warm-{agent.partition('/')[2]}", args.concurrency, args.concurrency)
             ran[agent] += args.concurrency
         before = {a: proc_counters(stack.pid(a)) for a in agents}
+        threads_before = {a: thread_cpu_s(stack.pid(a)) for a in agents}
         for r in range(args.rounds):
             for agent in agents if r % 2 == 0 else reversed(agents):
                 label = f"r{r}-{agent.partition('/')[2]}"
                 start, own = _shared_cpu_s(stack), proc_counters(stack.pid(agent))["cpu_s"]
+                ticks = machine_ticks()
                 rates[agent].append(await run_round(client, agent, label, args.episodes, args.concurrency))
+                for i, (now, then) in enumerate(zip(machine_ticks(), ticks, strict=True)):
+                    machine[agent][i] += now - then
                 round_cpu[agent].append(1e3 * (proc_counters(stack.pid(agent))["cpu_s"] - own) / args.episodes)
                 for name, seconds in _shared_cpu_s(stack).items():
                     shared_cpu[agent][name] += seconds - start[name]
                 ran[agent] += args.episodes
                 print(f"  round {r} {agent:13s} {rates[agent][-1]:7.1f} episodes/s", flush=True)
         after = {a: proc_counters(stack.pid(a)) for a in agents}
+        threads_after = {a: thread_cpu_s(stack.pid(a)) for a in agents}
     timed = args.rounds * args.episodes
     results = {}
     for a in agents:
@@ -191,6 +199,8 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
             "rounds": rates[a],
             "episodes": ran[a],
             "cpu_ms_per_episode": cpu_ms,
+            "main_thread_cpu_ms_per_episode": 1e3 * (threads_after[a][0] - threads_before[a][0]) / timed,
+            "machine_busy": machine[a][0] / machine[a][1],
             "round_cpu_ms_per_episode": round_cpu[a],
             "stack_cpu_ms_per_episode": cpu_ms + 1e3 * sum(shared_cpu[a].values()) / timed,
             "shared_cpu_ms_per_episode": {name: 1e3 * cpu / timed for name, cpu in shared_cpu[a].items()},
@@ -198,6 +208,28 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
             "write_syscalls_per_episode": (after[a]["syscw"] - before[a]["syscw"]) / timed,
         }
     return results
+
+
+def thread_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds of a process's main thread and of all its other threads (store threads, gRPC's own)."""
+    main = others = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+        seconds = (int(fields[11]) + int(fields[12])) / CLK_TCK
+        if task.name == str(pid):
+            main += seconds
+        else:
+            others += seconds
+    return main, others
+
+
+def machine_ticks() -> tuple[int, int]:
+    """Busy and all CPU ticks of the machine so far (/proc/stat): busy / all near 1 means CPU-bound."""
+    user, nice, system, idle, iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return user + nice + system + irq + softirq + steal, user + nice + system + idle + iowait + irq + softirq + steal
 
 
 def _shared_cpu_s(stack: Stack) -> dict[str, float]:
@@ -211,7 +243,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\n{args.episodes} counter episodes per round, concurrency {args.concurrency}, {args.rounds} rounds")
     for agent, r in results.items():
         line = (
-            f"{agent:13s} {r['episodes_per_s']:7.1f} episodes/s  agent CPU {r['cpu_ms_per_episode']:5.2f} ms/episode  "
+            f"{agent:13s} {r['episodes_per_s']:7.1f} episodes/s  agent CPU {r['cpu_ms_per_episode']:5.2f} ms/episode "
+            f"(main thread {r['main_thread_cpu_ms_per_episode']:.2f})  machine busy {100 * r['machine_busy']:.0f} %  "
             f"stack CPU {r['stack_cpu_ms_per_episode']:5.2f} ms/episode "
             f"({', '.join(f'{n} {ms:.2f}' for n, ms in r['shared_cpu_ms_per_episode'].items())})  "
             f"disk {r['disk_bytes_per_episode'] / 1024:6.1f} KiB/episode"
@@ -233,9 +266,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         print(line)
     for agent, r in results.items():
         if agent != "agent/off":
+            paired = [a / b for a, b in zip(r["rounds"], off["rounds"], strict=True)]  # rounds run back to back
             print(
                 f"RATIO {agent} / agent/off: {r['episodes_per_s'] / off['episodes_per_s']:.3f}x episodes/s "
-                f"({r['episodes_per_s']:.1f} vs {off['episodes_per_s']:.1f})"
+                f"({r['episodes_per_s']:.1f} vs {off['episodes_per_s']:.1f}; round by round: {_spread(paired, '')})"
             )
     for agent, r in results.items():
         if "store" in r:
@@ -247,9 +281,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             )
 
 
-def _spread(values: list[float]) -> str:
+def _spread(values: list[float], unit: str = " ms") -> str:
     """Median and range: one tree's runs on this machine spread as much as the changes measured."""
-    return f"median {statistics.median(values):.3f}, {min(values):.3f}-{max(values):.3f} ms"
+    return f"median {statistics.median(values):.3f}, {min(values):.3f}-{max(values):.3f}{unit}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -58,3 +58,5 @@ def test_quick_resume_bench_reports_ratio_and_bytes_per_boundary(tmp_path: Path)
         assert len(r["rounds"]) == 2
         assert len(r["round_cpu_ms_per_episode"]) == 2
         assert all(ms > 0 for ms in r["round_cpu_ms_per_episode"])
+        assert 0 < r["main_thread_cpu_ms_per_episode"] <= r["cpu_ms_per_episode"]  # the event loop's share
+        assert 0 < r["machine_busy"] <= 1
