@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import itertools
 import logging
@@ -176,6 +177,10 @@ class _Append:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[None]
     error: BaseException | None = None
+    settled: bool = False
+    """Written (or failed) and known so on its event loop: set there, even if its caller gave up waiting."""
+    then: Callable[[], None] | None = None
+    """Run on its event loop once settled: a lease released meanwhile lets its episode go only then."""
 
 
 @dataclass(slots=True)
@@ -212,6 +217,8 @@ class LogLease(EpisodeLease):
         """The stored record (its bytes, or its fields where the C diff was not built) when it is the latest
         frame in this process's log: the next save's delta base."""
         self.deltas = 0
+        self.last: _Append | None = None
+        """This lease's latest frame handed to the commit thread (frames are written in order)."""
 
     @property
     def held(self) -> bool:
@@ -220,7 +227,14 @@ class LogLease(EpisodeLease):
     async def release(self) -> None:
         held, self._held = self._held, False
         self.base = None
-        if held:
+        if not held:
+            return
+        last, self.last = self.last, None
+        if last is not None and not last.settled:
+            # Its caller was cancelled mid-save: the frame is still queued and will be written. Until it is,
+            # another run must not read the episode without it and write the same version again.
+            last.then = functools.partial(self.store.leases.release, self.slot)
+        else:
             self.store.leases.release(self.slot)  # one non-blocking fcntl: no trip to the I/O threads
 
 
@@ -647,7 +661,7 @@ class LogEpisodeStore(EpisodeStore):
             frame = frames.encode(
                 kind, held.rollout_id, payload, version=version, revision=record.revision, expires_ns=expires
             )
-            await self._append(held.rollout_id, kind, frame, version, record.revision, expires, len(data))
+            await self._append(held, kind, frame, version, record.revision, expires, len(data))
         except BaseException:
             record.revision = expected
             stamp.seconds, stamp.nanos = updated
@@ -660,7 +674,7 @@ class LogEpisodeStore(EpisodeStore):
         """A tombstone newer than every write of the episode (a legacy file is unlinked as well)."""
         version = held.source.version + 1
         frame = frames.encode(frames.TOMBSTONE, held.rollout_id, version=version)
-        await self._append(held.rollout_id, frames.TOMBSTONE, frame, version, 0, 0, 0)
+        await self._append(held, frames.TOMBSTONE, frame, version, 0, 0, 0)
         if held.source.legacy is not None:
             await self._io(_unlink, held.source.legacy)
         held.source, held.base = _Source(version, 0, self.index.chains.get(held.rollout_id)), None
@@ -720,14 +734,15 @@ class LogEpisodeStore(EpisodeStore):
     # -- the commit thread -------------------------------------------------------------------
 
     async def _append(
-        self, rollout_id: str, kind: int, frame: bytes, version: int, revision: int, expires: int, size: int
+        self, held: LogLease, kind: int, frame: bytes, version: int, revision: int, expires: int, size: int
     ) -> None:
         if self._closed:
             raise RuntimeError("the store is closed")
         if self._broken is not None:
             raise self._unavailable()
         loop = asyncio.get_running_loop()
-        item = _Append(rollout_id, kind, frame, version, revision, expires, size, loop, loop.create_future())
+        item = _Append(held.rollout_id, kind, frame, version, revision, expires, size, loop, loop.create_future())
+        held.last = item
         self._queue.put(item)
         if self.commit_delay and next(self._handed) - self._written >= self.leases.count() and self._gate.locked():
             with contextlib.suppress(RuntimeError):  # released meanwhile from another event loop's thread
@@ -928,6 +943,9 @@ def _answer(items: list[_Lookup]) -> None:
 
 def _settle(items: list[_Append]) -> None:
     for a in items:
+        a.settled = True
+        if a.then is not None:
+            a.then()
         if a.future.done():
             continue
         if a.error is None:

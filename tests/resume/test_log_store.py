@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -256,6 +257,49 @@ def test_a_batch_waits_for_more_saves_only_while_another_can_come(tmp_path: Path
         assert (store.stats.batches, store.stats.full_delays) == (1, 1)
         assert await _load(store, "ep") == record
         await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_lease_whose_save_was_cancelled_stays_held_until_the_frame_is_written(tmp_path: Path) -> None:
+    """A caller cancelled while its save waits for the disk leaves the frame queued: it is written all the
+    same. Until it is, nobody may take the episode: a retry would read the record without it and write the
+    same version again, which the log's index ignores, so the retry's later deltas would apply to the wrong
+    record (DATA_LOSS at the next load). The commit thread's write is held back until the test lets it go."""
+
+    async def scenario() -> None:
+        store = LogEpisodeStore(tmp_path)
+        record = _record()
+        go = threading.Event()
+        write = store._write_durably
+        async with store.lease("ep") as lease:
+            await store.save(lease, record)
+            store._write_durably = lambda *args: go.wait() and write(*args)  # type: ignore[method-assign]
+            _grow(record, 1)
+            saving = asyncio.ensure_future(store.save(lease, record))
+            await asyncio.sleep(0)  # the save runs up to its wait: its frame is handed to the commit thread
+            saving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await saving
+        with pytest.raises(Aborted) as refused:
+            await store.acquire("ep")
+        assert refused.value.reason == "LEASE_HELD", "the cancelled save is still on its way to the disk"
+        go.set()
+        loaded = None
+        for _ in range(3000):  # the frame lands within milliseconds; a busy machine gets 30 s
+            with contextlib.suppress(Aborted):
+                loaded = await _load(store, "ep")
+                break
+            await asyncio.sleep(0.01)
+        assert loaded is not None
+        assert (loaded.revision, loaded.step) == (2, 1), "the queued frame was written"
+        async with store.lease("ep") as lease:  # a retry goes on from it, with a delta that rebuilds
+            _grow(loaded, 2)
+            await store.save(lease, loaded)
+        await store.close()
+        reopened = LogEpisodeStore(tmp_path)
+        assert await _load(reopened, "ep") == loaded
+        await reopened.close()
 
     asyncio.run(scenario())
 
