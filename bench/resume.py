@@ -119,12 +119,22 @@ class Stack:
         self.log.close()
 
 
+def _cpu_s(stat: str) -> float:
+    """User + system CPU seconds from a /proc `stat` file (of a process or of one of its threads)."""
+    fields = Path(stat).read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU seconds of a process's main thread (the event loop; the rest is the store's and gRPC's threads)."""
+    return _cpu_s(f"/proc/{pid}/task/{pid}/stat")
+
+
 def proc_counters(pid: int) -> dict[str, float]:
     """CPU seconds and storage write bytes / write syscalls of a process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
     return {
-        "cpu_s": (int(fields[11]) + int(fields[12])) / CLK_TCK,
+        "cpu_s": _cpu_s(f"/proc/{pid}/stat"),
         "write_bytes": float(io["write_bytes"]),
         "syscw": float(io["syscw"]),
     }
@@ -174,7 +184,7 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
             await run_round(client, agent, f"warm-{agent.partition('/')[2]}", args.concurrency, args.concurrency)
             ran[agent] += args.concurrency
         before = {a: proc_counters(stack.pid(a)) for a in agents}
-        threads_before = {a: thread_cpu_s(stack.pid(a)) for a in agents}
+        main_before = {a: main_thread_cpu_s(stack.pid(a)) for a in agents}
         for r in range(args.rounds):
             for agent in agents if r % 2 == 0 else reversed(agents):
                 label = f"r{r}-{agent.partition('/')[2]}"
@@ -189,7 +199,7 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
                 ran[agent] += args.episodes
                 print(f"  round {r} {agent:13s} {rates[agent][-1]:7.1f} episodes/s", flush=True)
         after = {a: proc_counters(stack.pid(a)) for a in agents}
-        threads_after = {a: thread_cpu_s(stack.pid(a)) for a in agents}
+        main_after = {a: main_thread_cpu_s(stack.pid(a)) for a in agents}
     timed = args.rounds * args.episodes
     results = {}
     for a in agents:
@@ -199,7 +209,7 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
             "rounds": rates[a],
             "episodes": ran[a],
             "cpu_ms_per_episode": cpu_ms,
-            "main_thread_cpu_ms_per_episode": 1e3 * (threads_after[a][0] - threads_before[a][0]) / timed,
+            "main_thread_cpu_ms_per_episode": 1e3 * (main_after[a] - main_before[a]) / timed,
             "machine_busy": machine[a][0] / machine[a][1],
             "round_cpu_ms_per_episode": round_cpu[a],
             "stack_cpu_ms_per_episode": cpu_ms + 1e3 * sum(shared_cpu[a].values()) / timed,
@@ -208,22 +218,6 @@ async def measure(stack: Stack, agents: list[str], args: argparse.Namespace) -> 
             "write_syscalls_per_episode": (after[a]["syscw"] - before[a]["syscw"]) / timed,
         }
     return results
-
-
-def thread_cpu_s(pid: int) -> tuple[float, float]:
-    """CPU seconds of a process's main thread and of all its other threads (store threads, gRPC's own)."""
-    main = others = 0.0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rpartition(")")[2].split()
-        except FileNotFoundError:
-            continue  # the thread ended meanwhile
-        seconds = (int(fields[11]) + int(fields[12])) / CLK_TCK
-        if task.name == str(pid):
-            main += seconds
-        else:
-            others += seconds
-    return main, others
 
 
 def machine_ticks() -> tuple[int, int]:
