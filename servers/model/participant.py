@@ -103,33 +103,42 @@ class ModelParticipant(Participant):
                 gen.finish = FINISH_OF.get(cut.finish_reason, Finish.STOP)
                 return self._completion(gen)
         while True:
-            if gen.token_ids:
-                gen.continued_at.append(len(gen.token_ids))
-                stream = self.backend.continue_stream(
-                    prompt, gen.token_ids, sampling, request_id, conversation=conversation
-                )
-            else:
-                stream = self.backend.stream(prompt, sampling, request_id, conversation=conversation)
-            finish = None
-            async for delta in stream:
-                gen.token_ids.extend(delta.token_ids)
-                if delta.logprobs is None:
-                    gen.logprobs = None
-                elif gen.logprobs is not None:
-                    gen.logprobs.extend(delta.logprobs)
-                gen.weight_version = delta.weight_version or gen.weight_version
-                version_spans.extend(gen.spans, gen.weight_version, len(delta.token_ids))
-                finish = delta.finish or finish
+            self.marks.check(gen.episode)  # retired while parked, or while it rendered (nothing to abort then)
+            # Cut while it rendered: the abort found no request in the backend, so it parks now. Started anyway,
+            # it would block the prepare until it finished, forever on an engine that is stopped or stuck.
+            finish = Finish.ABORT if gen.cut_requested else await self._stream(gen, prompt, sampling, conversation)
             self.marks.check(gen.episode)  # retired while it generated
             if finish is Finish.ABORT and gen.cut_requested:
                 gen.state = "cut"
                 self.changed.notify()
                 await self.admission.wait_open("the cut generation")
-                self.marks.check(gen.episode)
                 gen.cut_requested, gen.state = False, "generating"
                 continue
             gen.finish = finish or Finish.ABORT
             return self._completion(gen)
+
+    async def _stream(
+        self, gen: Generation, prompt: Sequence[int], sampling: Sampling, conversation: Conversation
+    ) -> Finish | None:
+        """Run the generation in the backend (continuing from its prefix, if any) until it ends or is cut."""
+        if gen.token_ids:
+            gen.continued_at.append(len(gen.token_ids))
+            stream = self.backend.continue_stream(
+                prompt, gen.token_ids, sampling, gen.request_id, conversation=conversation
+            )
+        else:
+            stream = self.backend.stream(prompt, sampling, gen.request_id, conversation=conversation)
+        finish = None
+        async for delta in stream:
+            gen.token_ids.extend(delta.token_ids)
+            if delta.logprobs is None:
+                gen.logprobs = None
+            elif gen.logprobs is not None:
+                gen.logprobs.extend(delta.logprobs)
+            gen.weight_version = delta.weight_version or gen.weight_version
+            version_spans.extend(gen.spans, gen.weight_version, len(delta.token_ids))
+            finish = delta.finish or finish
+        return finish
 
     @staticmethod
     def _completion(gen: Generation) -> Completion:

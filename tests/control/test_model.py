@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,62 @@ def test_a_cut_generation_continues_from_its_prefix_on_resume() -> None:
         assert reply.tokens.completion_token_ids == expected.tokens.completion_token_ids
         assert reply.message == expected.message
         assert len(model.participant.ledger.rows(EpisodeKey("r0", 0))) == 1
+        await model.close()
+
+    run(main())
+
+
+def test_a_generation_cut_while_it_renders_parks_without_reaching_the_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cut's abort finds no request in the backend while the prompt renders (off the event loop). The
+    generation must park at once: started anyway, it would hold the prepare until it ended, forever on an
+    engine that is stopped or stuck."""
+
+    async def main() -> None:
+        expected = (await reference())[0]
+        model, episode = Model(), Episode()
+        rendering, go_on = threading.Event(), threading.Event()
+        render = model.servicer.template.render
+
+        def held_render(*args: Any) -> Any:
+            rendering.set()
+            go_on.wait(30)
+            return render(*args)
+
+        monkeypatch.setattr(model.servicer.template, "render", held_render)
+        started: list[str] = []
+        stream = model.backend.stream
+
+        def counted_stream(*args: Any, **kwargs: Any) -> Any:
+            started.append(args[2])
+            return stream(*args, **kwargs)
+
+        monkeypatch.setattr(model.backend, "stream", counted_stream)
+        call = asyncio.ensure_future(model.generate(episode.messages, "r0", 0, 0))
+        assert await asyncio.to_thread(rendering.wait, 30)
+        assert model.participant._generations["r0/a0/step0"].state == "generating"
+        closed = asyncio.Event()
+        close_admission = model.participant.close_admission
+
+        async def noted_close() -> None:
+            await close_admission()  # its abort finds nothing to abort: the request is still rendering
+            closed.set()
+
+        monkeypatch.setattr(model.participant, "close_admission", noted_close)
+        prepare = asyncio.ensure_future(model.plane.prepare("c1", soon()))
+        await closed.wait()
+        go_on.set()
+        phase, report = await prepare
+        assert phase is Phase.PREPARED
+        assert (report.counts["cut"], report.counts["held"]) == (1, 0)
+        assert started == []  # parked without reaching the backend
+        assert model.participant._generations["r0/a0/step0"].token_ids == []
+        await model.plane.resume("c1")
+        reply = await call
+        assert started == ["r0/a0/step0"]
+        assert reply.tokens == expected.tokens  # from the start, as if never cut: no continuation
+        assert reply.message == expected.message
         await model.close()
 
     run(main())

@@ -198,12 +198,13 @@ def test_checkpoint_sigkill_restore_continues_with_the_ledger_intact(stack: Vllm
             reference = _outcome(await _run(client, "ck-reference"))
             # An episode takes a fraction of a second here: with the engine running, the first could end
             # before the last starts. Stopped, every Run waits in its first Generate until the checkpoint
-            # cuts it (vLLM ends an aborted request at once, without the engine).
+            # cuts it (vLLM ends an aborted request at once, without the engine; one still rendering its prompt
+            # parks without reaching it).
             with processes_stopped(descendants(stack.server(MODEL)["pid"])):
                 running = [asyncio.ensure_future(_run(client, r)) for r in rollouts]
                 await _until_agent_runs(controller, running)
                 result = await controller.checkpoint(tmp_path, episode_ids=scope, checkpoint_id="ckpt-1", stop=True)
-            assert result.committed
+            assert result.committed, f"{result}\n{stack.logs()}"
             assert result.continued == scope, f"not in flight at the checkpoint: {result.restarted}"
             for task in running:  # their calls die with the stack
                 task.cancel()
