@@ -1,7 +1,8 @@
 """The model participant: held responses, generation cuts, and the capture ledger (docs/design.md §7).
 
 Prepare closes admission: new calls wait for resume; every unary generation still running
-is cut (`backend.abort`, keeping the prefix tokens) and parks; a generation that finishes
+is cut (`backend.abort`, keeping the prefix tokens) and parks (one still rendering its prompt
+parks before it reaches the backend, whose abort would find nothing); a generation that finishes
 while admission is closed has its response held. Neither blocks the prepare: the agent
 waiting on such a call is at its boundary before the call. Only streaming responses
 already being delivered block, until they end.
