@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -300,6 +301,7 @@ async def _announce(running: RunningServer, config: ServerConfig, names: list[st
         "services": ",".join(names),
         "metrics": running.metrics_url or "off",
         "event_loop": event_loop,
+        "gc_young_threshold": gc.get_threshold()[0],
     }
     log.info("serving", extra=served)
 
@@ -326,6 +328,21 @@ async def _await_names(registry: RegistryClient, name: str, depends_on: Sequence
             delay = min(delay * 2, 0.5)
 
 
+GC_YOUNG_THRESHOLD = 10_000
+"""Net new container objects between young collections (CPython's default: 700). A server's calls keep
+objects alive across their awaits, so at 700 a durable agent ran 570 young collections in 3,000 counter
+episodes (140 us of CPU per episode in the collector); at 10,000, with the start-up heap frozen, 7 (10 us),
+at the same peak memory (bench/README.md, "The collector")."""
+
+
+def settle_heap() -> None:
+    """Freeze what start-up built (modules, descriptors, servicers: never garbage, yet walked by every full
+    collection) and collect young objects less often. Called once per server process, before it serves."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 async def serve(
     config: ServerConfig,
     bindings: Sequence[ServiceBinding],
@@ -339,6 +356,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # before the ready file: a signal right after it stops gracefully
     watchdog = loop.create_task(_watch_supervisor(stop))
+    settle_heap()
     running = await _start_unless_stopped(config, bindings, stop)
     if running is not None:
         if on_start is not None:

@@ -82,6 +82,24 @@ def test_the_environment_variable_chooses_the_loop(tmp_path: Path) -> None:
     assert info["event_loop"] == "asyncio", log
 
 
+def test_a_server_freezes_its_start_up_heap_and_collects_young_objects_less_often(tmp_path: Path) -> None:
+    _, log = _serve_registry(tmp_path)
+    assert f'"gc_young_threshold": {bootstrap.GC_YOUNG_THRESHOLD}' in log
+    probe = (
+        "import gc; from gymrpc.servers.bootstrap import settle_heap; before = gc.get_threshold(); settle_heap(); "
+        "print(before[1:] == gc.get_threshold()[1:], gc.get_threshold()[0], gc.get_freeze_count() > 1000)"
+    )
+    done = subprocess.run(  # its own process: a frozen heap would outlive the test in this one
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.split() == ["True", str(bootstrap.GC_YOUNG_THRESHOLD), "True"], done.stderr
+
+
 @pytest.mark.parametrize(
     ("flags", "env", "says"),
     [
