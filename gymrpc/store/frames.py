@@ -128,6 +128,60 @@ def scan(data: bytes, base: int = 0) -> Iterator[Frame | tuple[int, int]]:
         pos = found
 
 
+SECTOR = 512
+"""The smallest unit a disk writes whole: what a power cut can leave unwritten while a later one is written."""
+_ZERO_SECTOR = bytes(SECTOR)
+_BOUNDARIES = (COMMIT, COMPACT_BEGIN, COMPACT_END)
+"""Frames that close a batch: everything before them was written by an earlier, finished write."""
+
+
+def unwritten(data: bytes, start: int, end: int, base: int = 0) -> bool:
+    """Whether the damaged region [start, end) (offsets in the segment; `data` starts at `base`) reads as a
+    write that never reached the disk in a file zeroed ahead of its writer: zeros from its first byte to the end
+    of that sector, or a whole zero sector. A flipped byte leaves neither (a frame starts with four non-zero
+    magic bytes), so damage stays damage."""
+    boundary = (start // SECTOR + 1) * SECTOR
+    if boundary <= end and data[start - base : boundary - base].count(0) == boundary - start:
+        return True
+    while boundary + SECTOR <= end:
+        if data[boundary - base : boundary - base + SECTOR] == _ZERO_SECTOR:
+            return True
+        boundary += SECTOR
+    return False
+
+
+def torn_batch(data: bytes, base: int = 0) -> int | None:
+    """Where the last batch of `data` starts if a power cut tore it, else None.
+
+    A batch is one `pwritev2(RWF_DSYNC)`; in a segment zeroed ahead of the writer, a power cut
+    during it can keep a later sector and lose an earlier one, leaving a gap of zeros inside the
+    batch. Such a batch was never acknowledged (its sync did not return), so it is cut off whole
+    rather than read as damage: its COMMIT would name the lost frames and make their episodes
+    DATA_LOSS although their previous records are intact. A gap before a later batch is damage:
+    that later batch was only written once this one was durable.
+    """
+    batch = base
+    torn: int | None = None
+    for item in scan(data, base):
+        if isinstance(item, Frame):
+            if torn is not None and torn != batch:
+                torn = None  # a batch followed the torn one: it was durable, the gap is damage
+            if item.kind in _BOUNDARIES:
+                batch = item.offset + item.length
+        elif unwritten(data, *item, base):
+            torn = batch
+    return torn
+
+
+def last_batch_end(data: bytes, base: int = 0) -> int:
+    """The offset just past the last frame of `data` that closes a batch (`base` if none)."""
+    end = base
+    for item in scan(data, base):
+        if isinstance(item, Frame) and item.kind in _BOUNDARIES:
+            end = item.offset + item.length
+    return end
+
+
 @dataclass(slots=True)
 class Chain:
     """Where an episode's latest write is in one log: the frames since its last FULL (none: tombstone)."""

@@ -13,9 +13,12 @@ episode's previous frame: `fields`) handed to the commit thread, which writes ev
 pending frame plus a COMMIT frame with one `pwritev2(RWF_DSYNC)` (a write and its
 `fdatasync` in one system call), then wakes every waiter: one sync per batch, not per
 boundary. A batch first waits up to `commit_delay` (2 ms) for more saves to join, unless every
-lease held already has a save waiting: the sync is most of a save's CPU. A process adopts a log
-whose owner died (its lock is free) or starts a new one; an adopted log is scanned, its torn
-tail cut off. Several agent processes can share the folder (replicas):
+lease held already has a save waiting: the sync is most of a save's CPU. The segment is kept
+zeroed past its end (`zero_ahead`), so that write overwrites zeros and its sync commits no new
+file size to the filesystem's journal; a batch a power cut tore there (a later sector kept, an
+earlier one lost) was never acknowledged, and recovery cuts it off whole (`frames.torn_batch`).
+A process adopts a log whose owner died (its lock is free) or starts a new one; an adopted log
+is scanned, its torn tail cut off. Several agent processes can share the folder (replicas):
 an episode's lease is an OFD byte-range lock (`ranges`: no file per episode), and its record is its highest-version
 write in any log of the folder, so a replica that takes an episode over reads it from the
 other process's log (tailed incrementally) and writes it on in its own. When a log's bytes
@@ -73,6 +76,11 @@ T = TypeVar("T")
 DEFAULT_COMMIT_DELAY = 0.002
 """Seconds; measured on 2 vCPUs, 64 episodes in flight: 2 ms took 11 saves per sync instead of 4-5."""
 MAX_COMMIT_DELAY = 1.0
+DEFAULT_ZERO_AHEAD = 4 << 20
+"""Bytes; zeros written ahead of the log's end, so a batch's sync overwrites and changes no file size."""
+_ZEROS = bytes(1 << 20)
+_VIEW_READ = 64 << 10
+"""Bytes a view reads at a time: past the owner's last batch lie only its zeros."""
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 OWNER = "owner.lock"
 SCHEME = ranges.MARKER
@@ -149,16 +157,36 @@ class LogView:
         if any(seq not in present for seq in self._read_to):  # compacted meanwhile: read it again
             self.index, self._read_to = frames.LogIndex(), {}
         for seq in present:
-            start = self._read_to.get(seq, 0)
             try:
                 with open(self.folder / _segment_name(seq), "rb") as f:
-                    f.seek(start)
-                    data = f.read()
+                    self._read_to[seq] = self._tail(seq, f.fileno(), self._read_to.get(seq, 0))
             except FileNotFoundError:
                 self.index, self._read_to = frames.LogIndex(), {}
                 return self.refresh()
-            if data:  # from the frame boundary reached so far: an incomplete tail frame is read again next time
-                self._read_to[seq] = self.index.feed(seq, data, start)
+
+    def _tail(self, seq: int, fd: int, start: int) -> int:
+        """Feed the segment's frames from `start` (a frame boundary reached before); where the next read starts.
+
+        Reads a chunk at a time, not to the end of the file: the owner's zeros ahead of its end
+        would be read again at every refresh. A chunk is fed up to its last whole batch, so a
+        batch a power cut tore is seen whole (`frames.torn_batch`) and never fed; the rest of the
+        file, once reached, is fed entire (an incomplete tail frame is read again next time).
+        """
+        size = _VIEW_READ
+        while True:
+            data = os.pread(fd, size, start)
+            whole = len(data) < size
+            usable = len(data) if whole else frames.last_batch_end(data, start) - start
+            if not usable:
+                if data.count(0) == len(data):
+                    return start  # the owner's zeros: nothing written since
+                size *= 2  # a batch larger than the chunk (or damage): read on
+                continue
+            torn = frames.torn_batch(data[:usable], start)
+            end = self.index.feed(seq, data[: usable if torn is None else torn - start], start)
+            if whole or torn is not None or end == start:
+                return end
+            start, size = end, _VIEW_READ
 
     def read(self, segment: int, offset: int, length: int) -> bytes:
         with open(self.folder / _segment_name(segment), "rb") as f:
@@ -247,6 +275,8 @@ class LogStats(CommitStats):
     full_delays: int = 0
     """Batches that waited the whole commit delay (the others ended it early: no other save could come)."""
     compactions: int = 0
+    zero_syncs: int = 0
+    """Syncs of zeros written ahead of the log's end (counted in `fsyncs` too)."""
 
 
 class LogEpisodeStore(EpisodeStore):
@@ -265,6 +295,10 @@ class LogEpisodeStore(EpisodeStore):
             0 writes every boundary whole (no field split and diff: less CPU, more bytes).
         compact_min_bytes: the log is never compacted below this size ...
         compact_ratio: ... nor while it is below this many times its live records' bytes.
+        zero_ahead: most bytes of zeros kept written and synced past the log's end (0: none), so a
+            batch's sync overwrites them: it commits no new file size or block allocation to the
+            filesystem's journal, which halves its latency and kernel CPU (`bench/README.md`, "A log
+            zeroed ahead"). A young log zeros as much as it holds, so a small one stays small.
     """
 
     def __init__(
@@ -278,12 +312,16 @@ class LogEpisodeStore(EpisodeStore):
         full_every: int = 32,
         compact_min_bytes: int = 64 << 20,
         compact_ratio: float = 3.0,
+        zero_ahead: int = DEFAULT_ZERO_AHEAD,
     ) -> None:
         self.root = Path(root).absolute()
         self.episodes, self.archive_dir, self.logs = self.root / "episodes", self.root / "archive", self.root / "logs"
         self._episodes_prefix = f"{self.episodes}{os.sep}"
         self.lease_retry_delay, self.max_batch, self.full_every = lease_retry_delay, max_batch, full_every
         self.compact_min_bytes, self.compact_ratio = compact_min_bytes, compact_ratio
+        if zero_ahead < 0:
+            raise ValueError(f"zero_ahead must be >= 0 bytes, got {zero_ahead}")
+        self.zero_ahead = zero_ahead
         if not 0 <= commit_delay <= MAX_COMMIT_DELAY:
             raise ValueError(f"commit_delay must be 0-{MAX_COMMIT_DELAY} s, got {commit_delay}")
         self.commit_delay = commit_delay
@@ -298,7 +336,8 @@ class LogEpisodeStore(EpisodeStore):
             raise
         self.index = frames.LogIndex()
         self._fds: dict[int, int] = {}
-        self._bytes = self._next_check = self._end = 0
+        self._bytes = self._next_check = self._end = self._zeroed_to = 0
+        self._zeroing_failed = False
         self._dsync = hasattr(os, "RWF_DSYNC")
         self._recover()
         self._views: dict[str, LogView] = {}
@@ -388,14 +427,17 @@ class LogEpisodeStore(EpisodeStore):
     def _recover(self) -> None:
         """Scan this log; cut a torn tail off, drop an unfinished compaction, delete segments it replaced."""
         seqs = _segments(self.folder)
+        ends: dict[int, int] = {}
         for seq in seqs:
             data = (self.folder / _segment_name(seq)).read_bytes()
-            end = self.index.feed(seq, data)
+            torn = frames.torn_batch(data) if seq == seqs[-1] else None
+            end = ends[seq] = self.index.feed(seq, data if torn is None else data[:torn])
             if seq == seqs[-1] and end < len(data):
-                log.warning(
-                    "episode log: torn tail cut off",
-                    extra={"log": str(self.folder), "segment": seq, "bytes": len(data) - end},
-                )
+                if torn is not None or data.count(0, end) < len(data) - end:  # more than the zeros written ahead
+                    log.warning(
+                        "episode log: torn tail cut off",
+                        extra={"log": str(self.folder), "segment": seq, "bytes": len(data) - end},
+                    )
                 with open(self.folder / _segment_name(seq), "r+b") as f:
                     f.truncate(end)
                     os.fsync(f.fileno())
@@ -424,9 +466,10 @@ class LogEpisodeStore(EpisodeStore):
             seqs = [0]
         for seq in seqs:
             self._fds[seq] = os.open(self.folder / _segment_name(seq), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            self._end = os.fstat(self._fds[seq]).st_size
+            self._end = ends.get(seq, 0)
             self._bytes += self._end
         self._seq = seqs[-1]
+        self._zeroed_to = self._end
         fsync_folder(self.folder)
 
     def _compacted_from(self, seqs: list[int]) -> int:
@@ -782,6 +825,8 @@ class LogEpisodeStore(EpisodeStore):
                     log.exception("episode log compaction failed; the old segments are kept")
                     self.stats.failures += 1
                     del exc
+            if not stop and self._broken is None and self.zero_ahead:
+                self._zero_ahead()
 
     def _commit(self, batch: list[_Append]) -> None:
         error: BaseException | None = self._unavailable() if self._broken is not None else None
@@ -848,6 +893,32 @@ class LogEpisodeStore(EpisodeStore):
             if total:  # a short write (rare: a signal, a full disk): the rest, as its own durable write
                 chunks = [b"".join(chunks)[written:]]
         return size
+
+    def _zero_ahead(self) -> None:
+        """Keep zeros written and synced past the end, as many as the segment holds (at most `zero_ahead`),
+        topped up once half are used. Runs between batches: no batch waits for it, and none writes meanwhile."""
+        want = min(self.zero_ahead, max(self._end, frames.SECTOR * 128))
+        if self._zeroed_to - self._end >= want // 2:
+            return
+        fd, start, stop = self._fds[self._seq], max(self._zeroed_to, self._end), self._end + want
+        try:
+            while start < stop:
+                start += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), stop - start)], start)
+            os.fdatasync(fd)
+        except OSError as exc:  # a full disk: batches still append (their syncs are slower), and say so once
+            if not self._zeroing_failed:
+                log.warning("episode log: zeroing ahead failed", extra={"log": str(self.folder), "error": str(exc)})
+            self._zeroing_failed = True
+            return
+        self._zeroing_failed = False
+        self._zeroed_to = stop
+        self.stats.fsyncs += 1
+        self.stats.zero_syncs += 1
+
+    @property
+    def log_size(self) -> int:
+        """Bytes of the log's current segment written so far (its file also holds the zeros written ahead)."""
+        return self._end
 
     def _live_bytes(self) -> int:
         return sum(c.size + frames.HEADER_SIZE for c in self.index.chains.values() if not c.deleted)
@@ -921,7 +992,7 @@ class LogEpisodeStore(EpisodeStore):
         with self._segments_lock:
             old = self._fds
             self._fds, self._seq, self.index = {seq: fd}, seq, index
-            self._bytes = self._end = len(data)
+            self._bytes = self._end = self._zeroed_to = len(data)
         for old_seq, old_fd in old.items():
             os.close(old_fd)
             _unlink(self.folder / _segment_name(old_seq))
