@@ -11,7 +11,9 @@ off whole, while damage anywhere else stays DATA_LOSS.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -211,6 +213,30 @@ def test_a_view_reads_a_zeroed_log_a_chunk_at_a_time_as_its_owner_wrote_it(tmp_p
         view.refresh()
         assert view.index.chains == store.index.chains
         assert not view.index.damage
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_zeroing_that_fails_is_said_once_and_saves_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def full_disk(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full_disk)  # only the zeros are written with pwrite; batches use pwritev
+
+    async def scenario() -> None:
+        store = LogEpisodeStore(tmp_path, commit_delay=0)
+        records = [_record(f"f{i}") for i in range(5)]
+        with caplog.at_level(logging.WARNING, logger="gymrpc.store.log"):
+            for record in records:
+                await _save(store, record)
+        assert store.stats.zero_syncs == 0
+        assert len([r for r in caplog.records if "zeroing ahead failed" in r.getMessage()]) == 1
+        assert _segment(tmp_path).stat().st_size == store.log_size
+        for record in records:
+            assert await _load(store, record.episode_id.rollout_id) == record
         await store.close()
 
     asyncio.run(scenario())
