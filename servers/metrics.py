@@ -237,6 +237,7 @@ _STORE_HELP = {
     "delta_frames": ("gymrpc_store_delta_frames", "Log records holding only what changed since the previous boundary"),
     "compactions": ("gymrpc_store_compactions", "Log compactions"),
     "full_delays": ("gymrpc_store_full_commit_delays", "Group commits that waited the whole commit delay"),
+    "zero_syncs": ("gymrpc_store_zero_ahead_syncs", "Syncs of the zeros the log keeps written past its end"),
 }
 
 

@@ -78,6 +78,7 @@ DEFAULT_COMMIT_DELAY = 0.002
 MAX_COMMIT_DELAY = 1.0
 DEFAULT_ZERO_AHEAD = 4 << 20
 """Bytes; zeros written ahead of the log's end, so a batch's sync overwrites and changes no file size."""
+MAX_ZERO_AHEAD = 1 << 30
 _ZEROS = bytes(1 << 20)
 _VIEW_READ = 64 << 10
 """Bytes a view reads at a time: past the owner's last batch lie only its zeros."""
@@ -319,8 +320,8 @@ class LogEpisodeStore(EpisodeStore):
         self._episodes_prefix = f"{self.episodes}{os.sep}"
         self.lease_retry_delay, self.max_batch, self.full_every = lease_retry_delay, max_batch, full_every
         self.compact_min_bytes, self.compact_ratio = compact_min_bytes, compact_ratio
-        if zero_ahead < 0:
-            raise ValueError(f"zero_ahead must be >= 0 bytes, got {zero_ahead}")
+        if not 0 <= zero_ahead <= MAX_ZERO_AHEAD:
+            raise ValueError(f"zero_ahead must be 0-{MAX_ZERO_AHEAD} bytes, got {zero_ahead}")
         self.zero_ahead = zero_ahead
         if not 0 <= commit_delay <= MAX_COMMIT_DELAY:
             raise ValueError(f"commit_delay must be 0-{MAX_COMMIT_DELAY} s, got {commit_delay}")

@@ -43,11 +43,12 @@ from gymrpc.servers.bootstrap import (
 )
 from gymrpc.servers.participant import add_participant_arguments, start_plane, wants_participant
 from gymrpc.store import EpisodeStore, FilesystemEpisodeStore, LogEpisodeStore
-from gymrpc.store.log import DEFAULT_COMMIT_DELAY, MAX_COMMIT_DELAY
+from gymrpc.store.log import DEFAULT_COMMIT_DELAY, DEFAULT_ZERO_AHEAD, MAX_COMMIT_DELAY, MAX_ZERO_AHEAD
 from gymrpc.v1 import agent_service_pb2 as pb
 from gymrpc.v1 import agent_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger("gymrpc.servers.agent")
+MIB = 1 << 20
 SWEEP_INTERVAL = 600.0
 """Seconds between deletions of expired completed episodes."""
 
@@ -124,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_COMMIT_DELAY * 1000:g}; 0: at once); it never waits while every episode in flight "
         "has a save waiting",
     )
+    resume.add_argument(
+        "--resume-zero-ahead",
+        type=float,
+        metavar="MIB",
+        help=f"with --resume-store log: MiB of zeros kept written and synced past the log's end, so a batch's sync "
+        f"changes no file size (default {DEFAULT_ZERO_AHEAD / MIB:g}; 0: none, as on copy-on-write filesystems, "
+        "where overwriting allocates anyway)",
+    )
     add_participant_arguments(parser)
     return parser
 
@@ -140,6 +149,11 @@ def main() -> None:
             parser.error("--resume-commit-delay applies to --resume-store log only")
         if not 0 <= args.resume_commit_delay <= MAX_COMMIT_DELAY * 1000:
             parser.error(f"--resume-commit-delay must be 0-{MAX_COMMIT_DELAY * 1000:g} ms")
+    if args.resume_zero_ahead is not None:
+        if args.resume_store != "log":
+            parser.error("--resume-zero-ahead applies to --resume-store log only")
+        if not 0 <= args.resume_zero_ahead <= MAX_ZERO_AHEAD / MIB:
+            parser.error(f"--resume-zero-ahead must be 0-{MAX_ZERO_AHEAD / MIB:g} MiB")
     server_config = dataclasses.replace(config_from_arguments(args), depends_on=(args.resources, args.model))
     if args.resume_dir is not None:
         # Controllers read it in the registry: this agent is no participant, so they refuse the stack.
@@ -170,7 +184,8 @@ def main() -> None:
             _raise_open_file_limit()  # files store: one lock file per running episode
             if args.resume_store == "log":
                 delay = DEFAULT_COMMIT_DELAY if args.resume_commit_delay is None else args.resume_commit_delay / 1000
-                store = LogEpisodeStore(args.resume_dir, commit_delay=delay)
+                zeros = DEFAULT_ZERO_AHEAD if args.resume_zero_ahead is None else int(args.resume_zero_ahead * MIB)
+                store = LogEpisodeStore(args.resume_dir, commit_delay=delay, zero_ahead=zeros)
             else:
                 store = FilesystemEpisodeStore(args.resume_dir, sync=args.resume_sync)
     except CheckpointDirError as exc:
@@ -199,6 +214,7 @@ def main() -> None:
                     "store": args.resume_store,
                     "sync": args.resume_sync,
                     "commit_delay_ms": store.commit_delay * 1000 if isinstance(store, LogEpisodeStore) else None,
+                    "zero_ahead_bytes": store.zero_ahead if isinstance(store, LogEpisodeStore) else None,
                     "filesystem": filesystem,
                 },
             )

@@ -170,8 +170,10 @@ def test_counters_move_through_a_checkpoint_a_sigkill_and_a_resume(start_stack: 
 
 
 def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: Any, run_dir: Path) -> None:
-    """An agent with `resume_dir`: its records, group commits and fsyncs are counters on its page."""
-    config = {**stack(agent("agent/durable", run_dir / "episodes")), "metrics": True}
+    """An agent with `resume_dir`: its records, group commits and fsyncs are counters on its page (and one
+    with `--resume-zero-ahead 0` writes no zeros ahead of its log)."""
+    plain = agent("agent/plain", run_dir / "plain-episodes", resume_zero_ahead=0)
+    config = {**stack(agent("agent/durable", run_dir / "episodes"), plain), "metrics": True}
     start_stack(config)
 
     async def episodes() -> list[Any]:
@@ -180,10 +182,11 @@ def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: An
                 *(
                     client.run(task(i), episode_id=f"m-{i}", policy_version=POLICY, agent="agent/durable")
                     for i in range(3)
-                )
+                ),
+                client.run(task(3), episode_id="m-plain", policy_version=POLICY, agent="agent/plain"),
             )
 
-    assert [t.reward for t in asyncio.run(episodes())] == [1.0] * 3
+    assert [t.reward for t in asyncio.run(episodes())] == [1.0] * 4
     page = scrape(metrics_urls(run_dir)["agent/durable"])
     records = total(page, "gymrpc_store_records_written_total")
     assert records >= 3 * 3  # each episode has at least three durable boundaries
@@ -195,6 +198,12 @@ def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: An
     assert total(page, "gymrpc_store_failed_writes_total") == 0
     assert ("gymrpc_store_full_commit_delays_total", ()) in page, "the commit delay's counter is exported"
     assert total(page, "gymrpc_store_full_commit_delays_total") <= total(page, "gymrpc_store_group_commits_total")
+    zero_syncs = total(page, "gymrpc_store_zero_ahead_syncs_total")
+    assert zero_syncs >= 1, "the log keeps zeros written ahead of its end"
+    assert total(page, "gymrpc_store_fsyncs_total") == total(page, "gymrpc_store_group_commits_total") + zero_syncs
+    plain_page = scrape(metrics_urls(run_dir)["agent/plain"])
+    assert total(plain_page, "gymrpc_store_records_written_total") >= 3
+    assert total(plain_page, "gymrpc_store_zero_ahead_syncs_total") == 0, "--resume-zero-ahead 0: none"
     assert "gymrpc_store_fsyncs_total" not in {n for n, _ in scrape(metrics_urls(run_dir)["model/policy"])}
     # The session snapshots came in the replies of SeedSession and CallTool (`snapshot_in_replies`).
     resources = scrape(metrics_urls(run_dir)["resources/counter"])

@@ -149,6 +149,8 @@ def test_a_log_keeps_zeros_ahead_of_its_end_and_reopens_without_a_torn_tail(
     asyncio.run(scenario())
     with pytest.raises(ValueError, match="zero_ahead"):
         LogEpisodeStore(tmp_path / "bad", zero_ahead=-1)
+    with pytest.raises(ValueError, match="zero_ahead"):
+        LogEpisodeStore(tmp_path / "bad", zero_ahead=(1 << 30) + 1)
 
 
 @pytest.mark.parametrize("lost", ["a middle sector", "the first sector's part", "everything but the commit"])

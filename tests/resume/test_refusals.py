@@ -270,6 +270,9 @@ def test_agent_process_refuses_a_resources_server_without_snapshots(start_stack:
         ({}, ["--resume-commit-delay", "5000"], "--resume-commit-delay must be 0-1000 ms"),
         ({}, ["--resume-commit-delay", "-1"], "--resume-commit-delay must be 0-1000 ms"),
         ({}, ["--resume-store", "files", "--resume-commit-delay", "2"], "applies to --resume-store log only"),
+        ({}, ["--resume-zero-ahead", "-1"], "--resume-zero-ahead must be 0-1024 MiB"),
+        ({}, ["--resume-zero-ahead", "2048"], "--resume-zero-ahead must be 0-1024 MiB"),
+        ({}, ["--resume-store", "files", "--resume-zero-ahead", "2"], "--resume-zero-ahead applies to --resume-store"),
     ],
 )
 def test_agent_cli_refuses_bad_resume_settings(env: dict[str, str], argv: list[str], message: str) -> None:
