@@ -20,22 +20,13 @@ from pathlib import Path
 import pytest
 
 from gymrpc.errors import DataLoss
-from gymrpc.store import EpisodeCheckpoint, EpisodeLease, LogEpisodeStore, frames
+from gymrpc.store import EpisodeLease, LogEpisodeStore, frames
 from gymrpc.store.log import LogView
 from gymrpc.v1 import common_pb2
+from tests.resume.test_log_store import _load, _save
 from tests.resume.test_store import _record
 
 EPISODES = 6
-
-
-async def _save(store: LogEpisodeStore, record: EpisodeCheckpoint) -> None:
-    async with store.lease(record.episode_id.rollout_id) as lease:
-        await store.save(lease, record)
-
-
-async def _load(store: LogEpisodeStore, rollout_id: str) -> EpisodeCheckpoint | None:
-    async with store.lease(rollout_id) as lease:
-        return await store.load(lease)
 
 
 def _text(seed: str, size: int) -> str:
