@@ -150,36 +150,33 @@ def unwritten(data: bytes, start: int, end: int, base: int = 0) -> bool:
     return False
 
 
-def torn_batch(data: bytes, base: int = 0) -> int | None:
-    """Where the last batch of `data` starts if a power cut tore it, else None.
+def batches(data: bytes, base: int = 0) -> tuple[int, int | None]:
+    """The offset just past the last frame of `data` that closes a batch (`base` if none), and where the
+    last batch starts if a power cut tore it (None if not).
 
     A batch is one `pwritev2(RWF_DSYNC)`; in a segment zeroed ahead of the writer, a power cut
     during it can keep a later sector and lose an earlier one, leaving a gap of zeros inside the
     batch. Such a batch was never acknowledged (its sync did not return), so it is cut off whole
     rather than read as damage: its COMMIT would name the lost frames and make their episodes
-    DATA_LOSS although their previous records are intact. A gap before a later batch is damage:
-    that later batch was only written once this one was durable.
+    DATA_LOSS although their previous records are intact. A gap before a later frame is damage:
+    that frame was only written once the batch was durable.
     """
-    batch = base
+    closed = base
     torn: int | None = None
     for item in scan(data, base):
         if isinstance(item, Frame):
-            if torn is not None and torn != batch:
-                torn = None  # a batch followed the torn one: it was durable, the gap is damage
+            if torn is not None and torn != closed:
+                torn = None  # written after the torn batch: that one was durable, the gap is damage
             if item.kind in _BOUNDARIES:
-                batch = item.offset + item.length
+                closed = item.offset + item.length
         elif unwritten(data, *item, base):
-            torn = batch
-    return torn
+            torn = closed
+    return closed, torn
 
 
-def last_batch_end(data: bytes, base: int = 0) -> int:
-    """The offset just past the last frame of `data` that closes a batch (`base` if none)."""
-    end = base
-    for item in scan(data, base):
-        if isinstance(item, Frame) and item.kind in _BOUNDARIES:
-            end = item.offset + item.length
-    return end
+def torn_batch(data: bytes, base: int = 0) -> int | None:
+    """Where the last batch of `data` starts if a power cut tore it (`batches`), else None."""
+    return batches(data, base)[1]
 
 
 @dataclass(slots=True)

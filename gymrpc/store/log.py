@@ -170,21 +170,23 @@ class LogView:
 
         Reads a chunk at a time, not to the end of the file: the owner's zeros ahead of its end
         would be read again at every refresh. A chunk is fed up to its last whole batch, so a
-        batch a power cut tore is seen whole (`frames.torn_batch`) and never fed; the rest of the
+        batch a power cut tore is seen whole (`frames.batches`) and never fed; the rest of the
         file, once reached, is fed entire (an incomplete tail frame is read again next time).
         """
         size = _VIEW_READ
         while True:
             data = os.pread(fd, size, start)
             whole = len(data) < size
-            usable = len(data) if whole else frames.last_batch_end(data, start) - start
-            if not usable:
+            closed, torn = frames.batches(data, start)
+            usable = len(data) if whole else closed - start
+            if torn is not None:
+                usable = min(usable, torn - start)
+            elif not usable:
                 if data.count(0) == len(data):
                     return start  # the owner's zeros: nothing written since
                 size *= 2  # a batch larger than the chunk (or damage): read on
                 continue
-            torn = frames.torn_batch(data[:usable], start)
-            end = self.index.feed(seq, data[: usable if torn is None else torn - start], start)
+            end = self.index.feed(seq, data[:usable], start)
             if whole or torn is not None or end == start:
                 return end
             start, size = end, _VIEW_READ
