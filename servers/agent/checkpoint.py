@@ -1,8 +1,9 @@
 """`EpisodeState` ⇄ `EpisodeCheckpoint`: what is written at a boundary and how a run is rebuilt from it.
 
-The record is updated in place at every boundary and only grows at the end of its
-lists (the loop only ever appends messages and call records), so a save copies the
-new tail, not the whole conversation. A record read back is checked against the
+The record being run is an `EncodedCheckpoint` (gymrpc/store/encoded.py), updated in
+place at every boundary: its lists only grow at the end (the loop only ever appends
+messages and call records), so a boundary encodes the new tail once, and the save copies
+the history's bytes instead of encoding it again. A record read back is checked against the
 phase invariants of `EpisodeState` before the loop trusts it: a record that could not
 have been written by this code is DATA_LOSS, not a crash halfway through a resume.
 """
@@ -13,11 +14,14 @@ import hashlib
 import time
 from typing import Any
 
+from google.protobuf.message import Message
+
 from gymrpc.errors import DataLoss
 from gymrpc.ids import ROLLOUT_ID
 from gymrpc.pbtime import seconds, set_duration
 from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import SCHEMA_VERSION, EpisodeCheckpoint
+from gymrpc.store.encoded import EncodedCheckpoint
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
 
@@ -30,10 +34,10 @@ def fingerprint(task: common_pb2.Task) -> str:
     return "sha256:" + hashlib.sha256(task.SerializeToString(deterministic=True)).hexdigest()
 
 
-def new_record(state: EpisodeState, request_fingerprint: str, *, restart_count: int = 0) -> EpisodeCheckpoint:
-    """The record of an episode that has not been seeded yet (revision 0: nothing stored)."""
+def new_record(state: EpisodeState, request_fingerprint: str, *, restart_count: int = 0) -> Message:
+    """The `EncodedCheckpoint` of an episode that has not been seeded yet (revision 0: nothing stored)."""
     state.restart_count = restart_count
-    return EpisodeCheckpoint(
+    return EncodedCheckpoint(
         schema_version=SCHEMA_VERSION,
         episode_id=state.episode_id,
         request_fingerprint=request_fingerprint,
@@ -47,10 +51,8 @@ def new_record(state: EpisodeState, request_fingerprint: str, *, restart_count: 
     )
 
 
-def record_boundary(
-    record: EpisodeCheckpoint, state: EpisodeState, snapshot: common_pb2.SessionSnapshot | None
-) -> None:
-    """Bring `record` to the boundary `state` stands at; `snapshot` replaces the session state if given."""
+def record_boundary(record: Message, state: EpisodeState, snapshot: common_pb2.SessionSnapshot | None) -> None:
+    """Bring the `EncodedCheckpoint` to the boundary `state` stands at; `snapshot` replaces the session's if given."""
     record.phase = int(state.phase)  # type: ignore[assignment]
     record.step, record.next_tool_index = state.step, state.next_tool_index
     record.stop_reason = state.stop_reason  # type: ignore[assignment]
@@ -62,16 +64,16 @@ def record_boundary(
         set_duration(record.parked, state.parked_s)
     if not state.task.tools and len(record.tools) != len(state.tools):
         _replace(record.tools, state.tools)
-    _append_tail(record.messages, state.messages)
-    _append_tail(record.model_calls, state.model_calls)
-    _append_tail(record.tool_calls, state.tool_calls)
+    _encode_tail(record.messages, state.messages)
+    _encode_tail(record.model_calls, state.model_calls)
+    _encode_tail(record.tool_calls, state.tool_calls)
     _replace(record.pending_tool_calls, state.pending_tool_calls)
     record.usage.CopyFrom(state.usage)
     if snapshot is not None:
-        record.resource_snapshot.CopyFrom(snapshot)
+        record.resource_snapshot = snapshot.SerializeToString(deterministic=True)
 
 
-def record_completion(record: EpisodeCheckpoint, state: EpisodeState, ttl_s: float) -> None:
+def record_completion(record: Message, state: EpisodeState, ttl_s: float) -> None:
     """The completed record: identity, counters and the final trajectory; in-progress state is dropped."""
     record.phase = int(state.phase)  # type: ignore[assignment]
     record.step, record.next_tool_index = state.step, 0
@@ -148,10 +150,10 @@ def check_running(record: EpisodeCheckpoint, *, snapshot: bool = True) -> None:
         )
 
 
-def _append_tail(target: Any, source: list[Any]) -> None:
+def _encode_tail(target: Any, source: list[Any]) -> None:
     if len(target) > len(source):  # never happens with the loop's append-only lists; stay correct anyway
         del target[:]
-    target.extend(source[len(target) :])
+    target.extend([item.SerializeToString(deterministic=True) for item in source[len(target) :]])
 
 
 def _replace(target: Any, source: list[Any]) -> None:

@@ -27,6 +27,8 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from google.protobuf.message import Message
+
 from gymrpc import tracing
 from gymrpc.errors import (
     AlreadyExists,
@@ -40,6 +42,7 @@ from gymrpc.servers.agent.faults import CrashPlan
 from gymrpc.servers.agent.loop import EpisodeLoop
 from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import EpisodeCheckpoint, EpisodeLease, EpisodeStore
+from gymrpc.store.encoded import decoded, encoded
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as resources_pb
@@ -119,8 +122,9 @@ class DurableEpisodes:
 
     # -- opening -------------------------------------------------------------------------------
 
-    async def _open(self, lease: EpisodeLease, state: EpisodeState, fingerprint: str) -> EpisodeCheckpoint:
-        """The record this run continues: a fresh one, the completed one, or a resumed one."""
+    async def _open(self, lease: EpisodeLease, state: EpisodeState, fingerprint: str) -> Message:
+        """The record this run continues: a fresh one, the completed one, or a resumed one (all but the
+        completed one as an `EncodedCheckpoint`: the record the boundaries update)."""
         record = await self.store.load(lease)
         if record is None:
             return checkpoint.new_record(state, fingerprint)
@@ -162,11 +166,12 @@ class DurableEpisodes:
         if record.phase == agent_pb.EPISODE_PHASE_UNSPECIFIED:  # restarted, never seeded: nothing to resume
             state.restart_count = record.restart_count
             record.max_steps, record.text_turns = state.max_steps, state.text_turns
-            return record
+            return encoded(record)
         checkpoint.restore_state(state, record)
         tracing.link_previous(record.traceparent)
         self.loop.count_failovers(state)  # baseline before RestoreSession: a move of it counts
         await self._restore_session(state, record)
+        record = encoded(record)
         state.resume_count += 1
         record.resume_count, record.traceparent = state.resume_count, state.traceparent
         await self.store.save(lease, record)
@@ -185,7 +190,7 @@ class DurableEpisodes:
     # -- running -------------------------------------------------------------------------------
 
     async def _drive(
-        self, lease: EpisodeLease, record: EpisodeCheckpoint, state: EpisodeState, progress: bool
+        self, lease: EpisodeLease, record: Message, state: EpisodeState, progress: bool
     ) -> AsyncGenerator[agent_pb.EpisodeProgress, None]:
         started, base = time.monotonic(), state.elapsed_s
         try:
@@ -199,7 +204,7 @@ class DurableEpisodes:
             raise
 
     async def _transition(
-        self, lease: EpisodeLease, record: EpisodeCheckpoint, state: EpisodeState, started: float, base: float
+        self, lease: EpisodeLease, record: Message, state: EpisodeState, started: float, base: float
     ) -> common_pb2.Message | None:
         """One transition and its save; goes back to the last save when the resources session was lost."""
         for recovery in range(SESSION_RECOVERIES + 1):
@@ -238,14 +243,15 @@ class DurableEpisodes:
         reply = await self.loop.call_resources("CheckpointSession", request)
         return reply.snapshot
 
-    async def _back_to_last_save(self, record: EpisodeCheckpoint, state: EpisodeState) -> None:
+    async def _back_to_last_save(self, record: Message, state: EpisodeState) -> None:
         if record.phase == agent_pb.EPISODE_PHASE_UNSPECIFIED:  # lost before the first save: seed again
             state.phase, state.messages, state.tools = Phase.NEW, [], []  # all that seeding sets
             return
+        saved = decoded(record)
         moved = state.failovers  # the moves since that save happened all the same (the one that lost the session)
-        checkpoint.restore_state(state, record)
+        checkpoint.restore_state(state, saved)
         state.failovers = moved
-        await self._restore_session(state, record)
+        await self._restore_session(state, saved)
 
     def _crash_point(self, phase: Phase, state: EpisodeState) -> None:
         assert self.crash is not None

@@ -31,6 +31,8 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from google.protobuf.message import Message
+
 from gymrpc import tracing
 from gymrpc.control import Capture, EpisodeKey, Kind, Participant, Report, Scope
 from gymrpc.errors import AlreadyExists, DataLoss, GymrpcError
@@ -38,6 +40,7 @@ from gymrpc.pbtime import duration
 from gymrpc.servers.agent.checkpoint import check_running, new_record, record_boundary, restore_state
 from gymrpc.servers.agent.state import EpisodeState, Phase, caller_retries
 from gymrpc.store import EpisodeCheckpoint
+from gymrpc.store.encoded import pack
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 
@@ -298,12 +301,12 @@ def _records(
     kept = dict(restored)
     for key in sorted(states.keys() | kept.keys()):
         record = rec_pb.CheckpointRecord(episode_id=key.to_pb())
-        record.other.Pack(kept[key] if key in kept else boundary_record(*states[key]))
+        pack(record.other, kept[key] if key in kept else boundary_record(*states[key]))
         yield record
 
 
-def boundary_record(state: EpisodeState, request_fingerprint: str, parking: float = 0.0) -> EpisodeCheckpoint:
-    """The `EpisodeCheckpoint` of `state` at its boundary, without a session snapshot or attempt.
+def boundary_record(state: EpisodeState, request_fingerprint: str, parking: float = 0.0) -> Message:
+    """The `EncodedCheckpoint` of `state` at its boundary, without a session snapshot or attempt.
 
     `parking`: seconds of the current park, not yet in `state.parked_s`.
     """
