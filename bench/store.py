@@ -16,6 +16,10 @@ store's CPU per boundary is reported with and without it. `--procs N` (default: 
 count; 1 turns it off) then runs N processes at once, each an agent with its own log in one
 shared folder (replicas) and `--episodes` in flight, and reports their aggregate.
 
+Last, the record itself: the CPU per boundary of bringing an RL episode's record (model calls
+with 16k-token prompts) up to date and serialising it, held as messages against the
+`EncodedCheckpoint` the agent keeps (gymrpc/store/encoded.py), back to back in this process.
+
     .venv/bin/python bench/store.py [--quick] [--episodes N] [--total N] [--rounds R] [--procs N] [--dir PATH]
         [--json out.json]
 """
@@ -29,6 +33,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -50,6 +55,7 @@ from gymrpc.store import (  # noqa: E402
     LogEpisodeStore,
     fields,
 )
+from gymrpc.store.encoded import encoded  # noqa: E402
 from gymrpc.v1 import agent_service_pb2 as agent_pb  # noqa: E402
 from gymrpc.v1 import common_pb2  # noqa: E402
 
@@ -377,6 +383,41 @@ def split_cost(steps: int, repeats: int = 200) -> dict[str, float]:
     return result
 
 
+def history_cost(steps: int, prompt_tokens: int, repeats: int = 3) -> dict[str, float]:
+    """CPU per boundary of bringing an RL episode's record up to date and serialising it, the record held
+    as messages (the whole history encoded again at every save) against `EncodedCheckpoint` (what the agent
+    keeps: each entry encoded once, when appended). Each boundary adds a model call whose prompt has
+    `prompt_tokens` token ids (500 more each step, as a conversation grows), and a message."""
+    rng = random.Random(7)
+    calls = []
+    for step in range(steps):
+        call = agent_pb.ModelCallRecord(step=step, weight_version="bench:0")
+        call.tokens.prompt_token_ids.extend(rng.randrange(150_000) for _ in range(prompt_tokens + 500 * step))
+        call.tokens.completion_token_ids.extend(rng.randrange(150_000) for _ in range(200))
+        call.tokens.completion_logprobs.extend(rng.random() for _ in range(200))
+        calls.append(call)
+
+    def run(record: Any, encode: bool) -> tuple[float, int]:
+        started, size = time.process_time(), 0
+        for _ in range(repeats):
+            del record.model_calls[:], record.messages[:]
+            for step, call in enumerate(calls):
+                reply = REPLIES[step]
+                record.model_calls.append(call.SerializeToString(deterministic=True) if encode else call)
+                record.messages.append(reply.SerializeToString(deterministic=True) if encode else reply)
+                size = len(record.SerializeToString(deterministic=True))
+        return (time.process_time() - started) / (repeats * steps) * 1e6, size
+
+    (message_us, size), (encoded_us, _) = run(fresh("history"), False), run(encoded(fresh("history")), True)
+    return {
+        "steps": steps,
+        "prompt_tokens": prompt_tokens,
+        "record_bytes": size,
+        "message_us": message_us,
+        "encoded_us": encoded_us,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short run (smoke tests)")
@@ -445,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
             f"previous split, {r['shallow_us']:.1f} us upb shallow (RATIO {r['reusing_us'] / r['shallow_us']:.2f}x)"
             + (f", {r['c_us']:.2f} us in C (RATIO C / upb {r['shallow_us'] / r['c_us']:.1f}x)" if "c_us" in r else "")
         )
+    history = results["history"] = history_cost(4 if args.quick else 10, 16_000)
+    print(
+        f"history: {history['steps']} model calls of {history['prompt_tokens'] // 1000}k+ token prompts (last record "
+        f"{history['record_bytes'] / 1024:.0f} KiB): brought up to date and serialised at each boundary, "
+        f"{history['message_us']:.0f} us as messages, {history['encoded_us']:.0f} us as EncodedCheckpoint "
+        f"(RATIO messages / encoded {history['message_us'] / history['encoded_us']:.1f}x)"
+    )
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -39,3 +39,8 @@ def test_quick_store_bench_reports_every_store_and_the_processes_round(tmp_path:
     assert [r["steps"] for r in results["split"]] == [8, 64]
     if fields.NATIVE_BUILT:  # the C diff was built
         assert all(r["c_us"] > 0 for r in results["split"])
+    history = results["history"]
+    assert history["steps"] == 4
+    assert history["record_bytes"] > 4 * 16_000  # the prompts' token ids are in the record
+    assert history["message_us"] > 0
+    assert history["encoded_us"] > 0
