@@ -52,6 +52,7 @@ class EpisodeStore(abc.ABC):
     async def save(self, lease: EpisodeLease, record: EpisodeCheckpoint) -> None:
         """Replace the record; returns once it is durable.
 
+        `record` may be an `EncodedCheckpoint` (gymrpc/store/encoded.py): its bytes are the same.
         `record.revision` must equal the stored revision (0 when there is none); the store
         writes `revision + 1` and `updated_at`, and sets both on `record`. On any failure
         `record` is left as it was and the stored record is unchanged or fully replaced.
