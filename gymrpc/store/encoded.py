@@ -39,12 +39,11 @@ def _twin() -> type[Message]:
     message = twin.message_type.add()
     message.CopyFrom(next(m for m in source.message_type if m.name == original.name))
     for field in message.field:
-        if field.name in HISTORY:
-            field.type = FieldDescriptor.TYPE_BYTES
-            field.ClearField("type_name")
-        elif field.name == SNAPSHOT:
-            field.type = FieldDescriptor.TYPE_BYTES
-            field.ClearField("type_name")
+        if field.name not in (*HISTORY, SNAPSHOT):
+            continue
+        field.type = FieldDescriptor.TYPE_BYTES
+        field.ClearField("type_name")
+        if field.name == SNAPSHOT:
             field.proto3_optional = True  # an empty snapshot set is written, as the message field writes it
             field.oneof_index = len(message.oneof_decl)
             message.oneof_decl.add(name=f"_{SNAPSHOT}")
