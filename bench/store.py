@@ -18,7 +18,9 @@ shared folder (replicas) and `--episodes` in flight, and reports their aggregate
 
 Last, the record itself: the CPU per boundary of bringing an RL episode's record (model calls
 with 16k-token prompts) up to date and serialising it, held as messages against the
-`EncodedCheckpoint` the agent keeps (gymrpc/store/encoded.py), back to back in this process.
+`EncodedCheckpoint` the agent keeps (gymrpc/store/encoded.py), back to back in this process;
+then the event loop's CPU per `LogEpisodeStore.save` of those records, the delta frame's CRC of
+the record kept per field (the C diff's sums) against computed over the whole record each time.
 
     .venv/bin/python bench/store.py [--quick] [--episodes N] [--total N] [--rounds R] [--procs N] [--dir PATH]
         [--json out.json]
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import multiprocessing
 import os
@@ -366,8 +367,11 @@ def split_cost(steps: int, repeats: int = 200) -> dict[str, float]:
         native = fields.Native()
         started = time.process_time()
         for _ in range(repeats):
-            for before, after in itertools.pairwise(revisions):
-                native.diff(before, after)
+            base = native.values(revisions[0])
+            for data in revisions[1:]:
+                state = native.values(data)
+                native.diff(base, state)
+                base = state
         return (time.process_time() - started) / (repeats * steps) * 1e6
 
     plain, reusing, upb = run(False), run(True), run_shallow()
@@ -383,11 +387,9 @@ def split_cost(steps: int, repeats: int = 200) -> dict[str, float]:
     return result
 
 
-def history_cost(steps: int, prompt_tokens: int, repeats: int = 3) -> dict[str, float]:
-    """CPU per boundary of bringing an RL episode's record up to date and serialising it, the record held
-    as messages (the whole history encoded again at every save) against `EncodedCheckpoint` (what the agent
-    keeps: each entry encoded once, when appended). Each boundary adds a model call whose prompt has
-    `prompt_tokens` token ids (500 more each step, as a conversation grows), and a message."""
+def _rl_model_calls(steps: int, prompt_tokens: int) -> list[agent_pb.ModelCallRecord]:
+    """An RL episode's model calls: each prompt has `prompt_tokens` token ids, 500 more each step (a
+    conversation grows), and 200 sampled tokens with their logprobs."""
     rng = random.Random(7)
     calls = []
     for step in range(steps):
@@ -396,6 +398,14 @@ def history_cost(steps: int, prompt_tokens: int, repeats: int = 3) -> dict[str, 
         call.tokens.completion_token_ids.extend(rng.randrange(150_000) for _ in range(200))
         call.tokens.completion_logprobs.extend(rng.random() for _ in range(200))
         calls.append(call)
+    return calls
+
+
+def history_cost(steps: int, prompt_tokens: int, repeats: int = 3) -> dict[str, float]:
+    """CPU per boundary of bringing an RL episode's record up to date and serialising it, the record held
+    as messages (the whole history encoded again at every save) against `EncodedCheckpoint` (what the agent
+    keeps: each entry encoded once, when appended). Each boundary adds a model call and a message."""
+    calls = _rl_model_calls(steps, prompt_tokens)
 
     def run(record: Any, encode: bool) -> tuple[float, int]:
         started, size = time.process_time(), 0
@@ -415,6 +425,62 @@ def history_cost(steps: int, prompt_tokens: int, repeats: int = 3) -> dict[str, 
         "record_bytes": size,
         "message_us": message_us,
         "encoded_us": encoded_us,
+    }
+
+
+class _WholeRecordCrc:
+    """The C diff, but the delta frame's CRC of the record left to the save: `zlib.crc32` over the record's
+    whole bytes at every boundary, as before the diff kept the CRC per field (the baseline)."""
+
+    def __init__(self, inner: fields.Native) -> None:
+        self.inner = inner
+
+    def values(self, data: bytes, *, serialized: bool = False) -> fields.NativeState:
+        return self.inner.values(data, serialized=serialized)
+
+    def diff(self, old: fields.NativeState, new: fields.NativeState) -> tuple[bytes | None, None]:
+        return self.inner.diff(old, new)[0], None
+
+
+async def history_save_cost(
+    folder: Path, steps: int, prompt_tokens: int, episodes: int, rounds: int
+) -> dict[str, float] | None:
+    """The event loop's CPU per `LogEpisodeStore.save` of an RL episode's `EncodedCheckpoint` (what the agent
+    saves), the record's CRC kept per field against computed over its whole bytes; rounds alternate. None
+    where the C diff was not built (the CRC is then always the whole record's)."""
+    from gymrpc.store import log
+
+    if not isinstance(log._DIFFER, fields.Native):
+        return None
+    native = log._DIFFER
+    calls = [c.SerializeToString(deterministic=True) for c in _rl_model_calls(steps, prompt_tokens)]
+    replies = [r.SerializeToString(deterministic=True) for r in REPLIES[:steps]]
+    times: dict[str, list[float]] = {"per_field": [], "whole": []}
+    store = LogEpisodeStore(folder / "history")
+    try:
+        for r in range(rounds):
+            for way in ("per_field", "whole") if r % 2 == 0 else ("whole", "per_field"):
+                log._DIFFER = native if way == "per_field" else _WholeRecordCrc(native)
+                started = time.thread_time()
+                for e in range(episodes):
+                    rollout_id = f"history-{r}-{way}-{e}"
+                    async with store.lease(rollout_id) as lease:
+                        record = encoded(fresh(rollout_id))
+                        for step in range(steps):
+                            record.model_calls.append(calls[step])
+                            record.messages.append(replies[step])
+                            record.step = step
+                            await store.save(lease, record)
+                times[way].append((time.thread_time() - started) / (episodes * steps) * 1e6)
+        size = record.ByteSize()
+    finally:
+        log._DIFFER = native
+        await store.close()
+    return {
+        "steps": steps,
+        "record_bytes": size,
+        "per_field_us": statistics.median(times["per_field"]),
+        "whole_us": statistics.median(times["whole"]),
     }
 
 
@@ -493,6 +559,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{history['message_us']:.0f} us as messages, {history['encoded_us']:.0f} us as EncodedCheckpoint "
         f"(RATIO messages / encoded {history['message_us'] / history['encoded_us']:.1f}x)"
     )
+    with tempfile.TemporaryDirectory(prefix="gymrpc-store-bench-", dir=args.dir) as tmp:
+        saves = results["history_save"] = asyncio.run(
+            history_save_cost(Path(tmp), history["steps"], 16_000, 4 if args.quick else 20, 2 if args.quick else 6)
+        )
+    if saves is not None:
+        print(
+            f"history saves: the same records through LogEpisodeStore.save (last {saves['record_bytes'] / 1024:.0f} "
+            f"KiB), event loop CPU per save {saves['per_field_us']:.0f} us with the record's CRC kept per field, "
+            f"{saves['whole_us']:.0f} us computed over its whole bytes (RATIO whole / per field "
+            f"{saves['whole_us'] / saves['per_field_us']:.2f}x)"
+        )
     if args.json:
         args.json.write_text(
             json.dumps(

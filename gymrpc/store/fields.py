@@ -16,6 +16,7 @@ field with 0 kept and 0 new is removed.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -27,10 +28,10 @@ Values = dict[int, "int | bytes | list[bytes]"]
 """Top-level field values of a record as `Shallow` reads them: a varint as int, a length-delimited
 field as its raw bytes, a repeated field as the list of those."""
 try:
-    from gymrpc.store._fields import diff as _native_diff
+    from gymrpc.store._fields import revise as _native_revise
 except ImportError:  # built without a C compiler: `Shallow` computes the same deltas with upb and Python
-    _native_diff = None
-NATIVE_BUILT = _native_diff is not None
+    _native_revise = None
+NATIVE_BUILT = _native_revise is not None
 """Whether this install compiled the C diff (gymrpc/store/_fields.c)."""
 
 _FIELD = struct.Struct("<III")
@@ -231,8 +232,9 @@ class Shallow:
                 found[number] = list(entries)  # type: ignore[call-overload]
         return found
 
-    def diff(self, old: Values, new: Values) -> bytes:
-        """The delta that turns the record of `old` into that of `new` (the layout `diff` writes)."""
+    def diff(self, old: Values, new: Values) -> tuple[bytes, None]:
+        """The delta that turns the record of `old` into that of `new` (the layout `diff` writes), and no CRC
+        (the caller computes it from the bytes)."""
         parts: list[bytes] = []
         if old.keys() == new.keys():  # the common case: both in field-number order, so pair them up
             pairs = zip(new, old.values(), new.values(), strict=True)
@@ -263,20 +265,31 @@ class Shallow:
                 size = len(value)
                 head = tag + (_BYTES[size] if size < 0x80 else _uvarint(size))
                 parts += (_U32.pack(len(head) + size), head, value)
-        return b"".join(parts)
+        return b"".join(parts), None
+
+
+@dataclass(slots=True)
+class NativeState:
+    """A revision as `Native` keeps it: its bytes, and once diffed against the revision before, its
+    checksum per field (so the next revision's CRC reads only the fields that changed)."""
+
+    data: bytes
+    sums: bytes | None = None
 
 
 class Native:
     """`diff(split(old), split(new))` in C (gymrpc/store/_fields.c), 10-20x faster than `Shallow`: a
     revision's state is its own bytes, and the delta is computed without a Python object per field."""
 
-    def values(self, data: bytes, *, serialized: bool = False) -> bytes:
-        return data
+    def values(self, data: bytes, *, serialized: bool = False) -> NativeState:
+        return NativeState(data)
 
-    def diff(self, old: bytes, new: bytes) -> bytes | None:
-        """The delta, or None (write `new` whole) if a record's fields are not in field-number order."""
-        assert _native_diff is not None
-        return _native_diff(old, new)
+    def diff(self, old: NativeState, new: NativeState) -> tuple[bytes | None, int | None]:
+        """The delta, or None (write `new` whole) if a record's fields are not in field-number order; and
+        `zlib.crc32` of `new`'s bytes, read only where they differ from `old`'s."""
+        assert _native_revise is not None
+        delta, crc, new.sums = _native_revise(old.data, old.sums, new.data)
+        return delta, crc
 
 
 def differ(descriptor: Descriptor) -> Native | Shallow:

@@ -705,10 +705,11 @@ class LogEpisodeStore(EpisodeStore):
             version, expires = held.source.version + 1, codec.expires_at_ns(record)
             kind, payload = frames.FULL, data
             if state is not None and held.base is not None and held.deltas < self.full_every:
-                delta = _DIFFER.diff(held.base, state)  # type: ignore[arg-type]
+                delta, crc = _DIFFER.diff(held.base, state)  # type: ignore[arg-type]
                 # else a FULL frame: fewer reads at load, little more written
                 if delta is not None and len(delta) + 4 < len(data) * 3 // 4:
-                    kind, payload = frames.DELTA, frames.encode_delta_payload(zlib.crc32(data), delta)
+                    crc = zlib.crc32(data) if crc is None else crc
+                    kind, payload = frames.DELTA, frames.encode_delta_payload(crc, delta)
             frame = frames.encode(
                 kind, held.rollout_id, payload, version=version, revision=record.revision, expires_ns=expires
             )

@@ -736,7 +736,7 @@ def test_the_shallow_split_writes_the_deltas_the_python_split_writes() -> None:
         assert old is not None
         assert new is not None
         assert shallow.values(after, serialized=True) == new
-        assert shallow.diff(old, new) == expected
+        assert shallow.diff(old, new) == (expected, None)
         assert fields.join(fields.apply(fields.split(before), expected)) == after
 
 

@@ -44,3 +44,11 @@ def test_quick_store_bench_reports_every_store_and_the_processes_round(tmp_path:
     assert history["record_bytes"] > 4 * 16_000  # the prompts' token ids are in the record
     assert history["message_us"] > 0
     assert history["encoded_us"] > 0
+    saves = results["history_save"]
+    if fields.NATIVE_BUILT:  # the per-field CRC is the C diff's
+        assert saves["steps"] == 4
+        assert saves["record_bytes"] > 4 * 16_000
+        assert saves["per_field_us"] > 0
+        assert saves["whole_us"] > 0
+    else:
+        assert saves is None
