@@ -194,6 +194,8 @@ static uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, uint64_t size_b) {
     return multmodp(p, crc_a) ^ crc_b;
 }
 
+#define CRC_COMBINE_FROM 512
+
 /* A record's checksum kept per field: a save that only appends entries, or changes a few small fields,
  * checksums the bytes it changed and combines the rest, instead of reading a long history again. */
 typedef struct {
@@ -240,7 +242,8 @@ static int compare(const Entries *old, const Entries *new, const Sum *old_sums, 
             sum.crc = crc_update(0, from, to - from, &ok);
         }
         sum.size = (uint64_t)(to - from);
-        *crc = *n_sums == 0 ? sum.crc : crc_combine(*crc, sum.crc, sum.size);
+        /* A short field is read again: cheaper than combining (a few hundred table steps). */
+        *crc = sum.size < CRC_COMBINE_FROM ? crc_small(*crc, from, to - from) : crc_combine(*crc, sum.crc, sum.size);
         sums[(*n_sums)++] = sum;
         if (!ok) return 0;
     }
