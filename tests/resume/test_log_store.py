@@ -17,6 +17,7 @@ import contextlib
 import errno
 import itertools
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -106,6 +107,58 @@ def test_saves_are_deltas_one_fsync_per_batch_and_survive_a_reopen(
     assert loaded == records
     assert all(r.revision == 6 for r in records.values())
     assert read_record(tmp_path, "ep-3") == records["ep-3"]
+
+
+@pytest.mark.parametrize("differ", ["native", "shallow"])
+def test_rl_records_with_long_token_traces_read_back_through_their_deltas(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, differ: str
+) -> None:
+    """The agent's `EncodedCheckpoint` of an RL episode: model calls of thousands of token ids appended, a
+    session snapshot of a few KiB replaced, the first message rewritten once. Every delta's CRC of the
+    whole record (kept per field by the C diff: short fields read again, long ones combined, the longest
+    checksummed by zlib) must be the one a load recomputes, or the load is DATA_LOSS."""
+    from gymrpc.store import fields, log
+    from gymrpc.store.encoded import encoded
+
+    if differ == "shallow":
+        monkeypatch.setattr(log, "_DIFFER", fields.Shallow(EpisodeCheckpoint.DESCRIPTOR))
+    elif not isinstance(log._DIFFER, fields.Native):
+        pytest.skip("the C diff (gymrpc/store/_fields.c) was not built: no C compiler")
+    rng = random.Random(3)
+
+    async def scenario() -> dict[str, EpisodeCheckpoint]:
+        store = LogEpisodeStore(tmp_path)
+        saved = {}
+        for e in range(3):
+            plain = _record(f"rl-{e}")
+            record = encoded(plain)
+            async with store.lease(plain.episode_id.rollout_id) as lease:
+                for step in range(12):
+                    call = agent_pb.ModelCallRecord(step=step)
+                    call.tokens.prompt_token_ids.extend(rng.randrange(150_000) for _ in range(rng.randrange(100, 3000)))
+                    record.model_calls.append(call.SerializeToString(deterministic=True))
+                    reply = common_pb2.Message(role=common_pb2.ROLE_ASSISTANT, content="x" * rng.randrange(700))
+                    record.messages.append(reply.SerializeToString(deterministic=True))
+                    snapshot = common_pb2.SessionSnapshot(format_name="t", payload=rng.randbytes(rng.randrange(6000)))
+                    record.resource_snapshot = snapshot.SerializeToString(deterministic=True)
+                    if step == 7:
+                        record.messages[0] = common_pb2.Message(content="rewritten " * 60).SerializeToString()
+                    record.step = step
+                    await store.save(lease, record)
+            saved[plain.episode_id.rollout_id] = EpisodeCheckpoint.FromString(record.SerializeToString())
+        assert store.stats.delta_frames >= 30, "the boundaries were written as deltas"
+        await store.close()
+        return saved
+
+    saved = asyncio.run(scenario())
+
+    async def reopened() -> dict[str, EpisodeCheckpoint | None]:
+        again = LogEpisodeStore(tmp_path)
+        loaded = {rid: await _load(again, rid) for rid in saved}
+        await again.close()
+        return loaded
+
+    assert asyncio.run(reopened()) == saved
 
 
 Records = dict[str, EpisodeCheckpoint]
