@@ -1,0 +1,20 @@
+"""Smoke test of `bench/durable_cpu.py --quick`: every mode runs real episodes end to end and the split of
+what durable resume adds is reported. No timing assertions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.bench.quick import run_quick, without_pythonpath
+
+
+def test_quick_durable_cpu_bench_reports_every_mode_and_the_split(tmp_path: Path) -> None:
+    out, figures = run_quick(
+        "durable_cpu.py", tmp_path, timeout=300, args=["--dir", str(tmp_path)], env=without_pythonpath()
+    )
+    results = figures["results"]
+    assert results["boundaries_per_episode"] == 8.0  # a counter episode: seed, 3 model calls, 3 tool calls, done
+    for mode in ("off", "on", "no-writes", "no-commit"):
+        assert results[mode]["cpu_ms"] > 0 and results[mode]["main_ms"] > 0
+    assert "durable resume adds" in out
+    assert "RATIO on / off" in out
