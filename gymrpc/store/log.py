@@ -249,9 +249,9 @@ class LogLease(EpisodeLease):
     def __init__(self, store: LogEpisodeStore, rollout_id: str, slot: int, source: _Source) -> None:
         self.store, self.rollout_id, self.slot, self.source = store, rollout_id, slot, source
         self._held = True
-        self.base: fields.Values | bytes | None = None
-        """The stored record (its bytes, or its fields where the C diff was not built) when it is the latest
-        frame in this process's log: the next save's delta base."""
+        self.base: fields.NativeState | fields.Values | None = None
+        """The stored record (its bytes and per-field CRCs, or its fields where the C diff was not built) when
+        it is the latest frame in this process's log: the next save's delta base."""
         self.deltas = 0
         self.last: _Append | None = None
         """This lease's latest frame handed to the commit thread (frames are written in order)."""
