@@ -12,7 +12,7 @@ A save is one frame (the whole record, or only its changed top-level fields agai
 episode's previous frame: `fields`) handed to the commit thread, which writes every
 pending frame plus a COMMIT frame with one `pwritev2(RWF_DSYNC)` (a write and its
 `fdatasync` in one system call), then wakes every waiter: one sync per batch, not per
-boundary. A batch first waits up to `commit_delay` (2 ms) for more saves to join, unless every
+boundary. A batch first waits up to `commit_delay` (8 ms) for more saves to join, unless every
 lease held already has a save waiting: the sync is most of a save's CPU. The segment is kept
 zeroed past its end (`zero_ahead`), so that write overwrites zeros and its sync commits no new
 file size to the filesystem's journal; a batch a power cut tore there (a later sector kept, an
@@ -74,8 +74,10 @@ from gymrpc.store.files import REASON, _read, _read_header, _sweep, _unlink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-DEFAULT_COMMIT_DELAY = 0.002
-"""Seconds; measured on 2 vCPUs, 64 episodes in flight: 2 ms took 11 saves per sync instead of 4-5."""
+DEFAULT_COMMIT_DELAY = 0.008
+"""Seconds; measured on 2 vCPUs, 64 episodes in flight, against 2 ms in one stack: 2.2x the saves per sync,
+29-50 % less of the agent CPU that resume adds, on / off 0.006-0.067 higher (bench/README.md, "A longer
+commit delay"). An RL boundary waits far longer for its model call; 8 ms more is noise there."""
 MAX_COMMIT_DELAY = 1.0
 DEFAULT_ZERO_AHEAD = 4 << 20
 """Bytes; zeros written ahead of the log's end, so a batch's sync overwrites and changes no file size."""
@@ -297,8 +299,9 @@ class LogEpisodeStore(EpisodeStore):
         max_batch: most frames committed together.
         commit_delay: seconds a batch waits, after its first save, for more saves to join before it is
             written and synced (0: at once). It ends early once every lease held has a save waiting (no
-            other save can come), so one episode alone never waits. The batch's sync is most of a save's CPU:
-            on a busy agent, twice the saves per sync for 2 ms of latency (`bench/README.md`, "A commit delay").
+            other save can come), so one episode alone never waits. A batch's sync, its wake-ups and the
+            device's interrupts are most of a save's CPU, the servers' included: on a busy agent, 8 ms makes
+            2.2x the saves per sync of 2 ms (`bench/README.md`, "A commit delay", "A longer commit delay").
         full_every: a FULL frame at least every this many deltas of an episode (bounds a load's reads);
             0 writes every boundary whole (no field split and diff: less CPU, more bytes).
         compact_min_bytes: the log is never compacted below this size ...

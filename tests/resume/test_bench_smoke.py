@@ -46,7 +46,7 @@ def test_quick_resume_bench_reports_ratio_and_bytes_per_boundary(tmp_path: Path)
     assert store["failures"] == 0
     assert store["bytes_per_boundary"] > 100
     assert 4 <= store["boundaries_per_episode"] <= 12  # seed, model calls, tool calls, completion
-    assert store["fsyncs_per_episode"] >= 1
+    assert 0 < store["fsyncs_per_episode"] <= store["boundaries_per_episode"]  # saves share syncs
     assert len(store["round_cpu_ms_per_boundary"]) == 2  # one per timed round, paired with off's
     for r in results.values():
         assert r["episodes_per_s"] > 0
