@@ -235,7 +235,7 @@ static int compare(const Entries *old, const Entries *new, const Sum *old_sums, 
         if (na == 0) continue;
         Sum sum = {number, (uint32_t)na, 0, 0, 0};
         const uint8_t *from = after[0].data, *to = after[na - 1].data + after[na - 1].size;
-        if (prior != NULL && kept == nb && nb > 0) { /* unchanged or grown: only the new entries are read */
+        if (prior != NULL && kept == nb) { /* unchanged or grown: only the new entries are read */
             const uint8_t *grown = after[nb - 1].data + after[nb - 1].size;
             sum.crc = crc_update(prior->crc, grown, to - grown, &ok);
         } else {

@@ -279,7 +279,8 @@ class NativeState:
 
 class Native:
     """`diff(split(old), split(new))` in C (gymrpc/store/_fields.c), 10-20x faster than `Shallow`: a
-    revision's state is its own bytes, and the delta is computed without a Python object per field."""
+    revision's state is its own bytes (and their per-field CRCs, `NativeState`), and the delta is computed
+    without a Python object per field."""
 
     def values(self, data: bytes, *, serialized: bool = False) -> NativeState:
         return NativeState(data)
