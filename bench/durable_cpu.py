@@ -51,7 +51,8 @@ from gymrpc.servers.model.backends.scripted import ScriptedBackend  # noqa: E402
 from gymrpc.servers.model.backends.sources import CounterSolver  # noqa: E402
 from gymrpc.servers.model.service import ModelServicer  # noqa: E402
 from gymrpc.servers.resources.service import ResourcesServicer  # noqa: E402
-from gymrpc.store import EpisodeCheckpoint, EpisodeLease, LogEpisodeStore  # noqa: E402
+from gymrpc.store import SAVED, EpisodeCheckpoint, EpisodeLease, LogEpisodeStore, PendingSave  # noqa: E402
+from gymrpc.store import log as log_store  # noqa: E402
 from gymrpc.v1 import common_pb2  # noqa: E402
 
 MODES = ("off", "on", "no-writes", "no-commit")
@@ -82,12 +83,18 @@ class NoWrites(LogEpisodeStore):
         self._check(lease)
         record.revision += 1
 
+    async def begin_save(self, lease: EpisodeLease, record: EpisodeCheckpoint) -> PendingSave:
+        await self.save(lease, record)
+        return SAVED
+
 
 class NoCommit(LogEpisodeStore):
     """Every frame built as the log store builds it, none handed to the commit thread."""
 
-    async def _append(self, *frame: Any) -> None:
-        return None
+    def _append_nowait(self, held: Any, *frame: Any) -> Any:
+        written = asyncio.get_running_loop().create_future()
+        written.set_result(None)
+        return log_store._Append(held.rollout_id, *frame, loop=None, future=written)  # type: ignore[arg-type]
 
 
 def tasks() -> list[common_pb2.Task]:

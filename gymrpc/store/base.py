@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
+from typing import Any
 
 from gymrpc.v1 import episode_checkpoint_pb2 as ckpt_pb
 
@@ -30,6 +31,30 @@ class EpisodeLease(abc.ABC):
     @abc.abstractmethod
     async def release(self) -> None:
         """Give the episode up; idempotent."""
+
+
+class PendingSave(abc.ABC):
+    """A save begun by `EpisodeStore.begin_save`: awaiting it returns once the record is durable, or raises."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def __await__(self) -> Generator[Any, None, None]: ...
+
+    def abandon(self) -> None:  # noqa: B027 (a save already settled has nothing to drop)
+        """The caller may never await it (its run failed): the store writes it all the same, and a failure is
+        not reported as unretrieved. The lease takes no other save until it is awaited or released."""
+
+
+class _Saved(PendingSave):
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return iter(())
+
+
+SAVED = _Saved()
+"""A save that is durable already."""
 
 
 class EpisodeStore(abc.ABC):
@@ -57,6 +82,17 @@ class EpisodeStore(abc.ABC):
         writes `revision + 1` and `updated_at`, and sets both on `record`. On any failure
         `record` is left as it was and the stored record is unchanged or fully replaced.
         """
+
+    async def begin_save(self, lease: EpisodeLease, record: EpisodeCheckpoint) -> PendingSave:
+        """`save`, with the wait for the disk left to the caller: await the result to know it is durable.
+
+        Once this returns, `record` is encoded and may change (its `revision` and `updated_at` are
+        set). The lease's next save or load must wait until this one was awaited. A failure of the
+        write raises where it is awaited, and restores `revision` and `updated_at` only. A store
+        that cannot part the two (the default) saves before it returns.
+        """
+        await self.save(lease, record)
+        return SAVED
 
     @abc.abstractmethod
     async def archive(self, lease: EpisodeLease, reason: str) -> str | None:

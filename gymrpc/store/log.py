@@ -55,12 +55,12 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -68,7 +68,7 @@ from gymrpc.durable import fsync_folder
 from gymrpc.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 from gymrpc.ids import check_id
 from gymrpc.store import codec, fields, frames, ranges
-from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore
+from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore, PendingSave
 from gymrpc.store.commit import CommitStats
 from gymrpc.store.files import REASON, _read, _read_header, _sweep, _unlink
 
@@ -257,6 +257,8 @@ class LogLease(EpisodeLease):
         self.deltas = 0
         self.last: _Append | None = None
         """This lease's latest frame handed to the commit thread (frames are written in order)."""
+        self.pending: _PendingSave | None = None
+        """A save begun and not yet awaited: the lease takes no other save or load until it is."""
 
     @property
     def held(self) -> bool:
@@ -274,6 +276,55 @@ class LogLease(EpisodeLease):
             last.then = functools.partial(self.store.leases.release, self.slot)
         else:
             self.store.leases.release(self.slot)  # one non-blocking fcntl: no trip to the I/O threads
+
+
+class _PendingSave(PendingSave):
+    """A frame handed to the commit thread; awaited, the lease moves on to it (the next save's delta base)."""
+
+    __slots__ = ("held", "item", "record", "state", "updated")
+
+    def __init__(
+        self,
+        held: LogLease,
+        record: EpisodeCheckpoint,
+        item: _Append,
+        state: fields.NativeState | fields.Values | None,
+        updated: tuple[int, int],
+    ) -> None:
+        self.held, self.record, self.item, self.state, self.updated = held, record, item, state, updated
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait().__await__()
+
+    def abandon(self) -> None:
+        if not self.item.future.done():
+            self.item.future.add_done_callback(_drop_outcome)
+
+    async def _wait(self) -> None:
+        held, item = self.held, self.item
+        if held.pending is not self:
+            return await item.future  # awaited before: the same outcome again
+        try:
+            await item.future
+        except BaseException:
+            held.pending = None
+            self.record.revision = item.revision - 1
+            self.record.updated_at.seconds, self.record.updated_at.nanos = self.updated
+            raise
+        held.pending = None
+        held.deltas = held.deltas + 1 if item.kind == frames.DELTA else 0
+        held.base = self.state
+        held.source = _Source(item.version, item.revision, held.store.index.chains.get(held.rollout_id))
+
+
+def _check_idle(held: LogLease) -> None:
+    if held.pending is not None:
+        raise RuntimeError(f"the save begun for {held.rollout_id!r} was not awaited: await it first")
+
+
+def _drop_outcome(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: no "never retrieved" warning for a save no one awaits
 
 
 @dataclass
@@ -634,6 +685,7 @@ class LogEpisodeStore(EpisodeStore):
 
     async def load(self, lease: EpisodeLease) -> EpisodeCheckpoint | None:
         held = self._check(lease)
+        _check_idle(held)
         source = held.source
         if not source.damaged and source.legacy is None and (source.chain is None or source.chain.deleted):
             return None  # nothing stored (a new episode): no trip to the I/O threads
@@ -677,6 +729,13 @@ class LogEpisodeStore(EpisodeStore):
             return _record_from(held.source.chain, view.read, str(view.folder), held.rollout_id)[0]
 
     async def save(self, lease: EpisodeLease, record: EpisodeCheckpoint) -> None:
+        await self._begin_save(lease, record)
+
+    async def begin_save(self, lease: EpisodeLease, record: EpisodeCheckpoint) -> PendingSave:
+        return self._begin_save(lease, record)
+
+    def _begin_save(self, lease: EpisodeLease, record: EpisodeCheckpoint) -> _PendingSave:
+        """The frame built and handed to the commit thread, at once (the event loop's thread encodes it)."""
         held = self._check(lease)
         if record.episode_id.rollout_id != held.rollout_id:
             raise InvalidArgument(
@@ -684,6 +743,7 @@ class LogEpisodeStore(EpisodeStore):
             )
         if held.source.damaged:
             raise self._damaged(held)
+        _check_idle(held)
         expected, stored = record.revision, held.source.revision
         if held.source.chain is not None and held.source.chain.deleted:
             stored = 0
@@ -716,14 +776,13 @@ class LogEpisodeStore(EpisodeStore):
             frame = frames.encode(
                 kind, held.rollout_id, payload, version=version, revision=record.revision, expires_ns=expires
             )
-            await self._append(held, kind, frame, version, record.revision, expires, len(data))
+            item = self._append_nowait(held, kind, frame, version, record.revision, expires, len(data))
         except BaseException:
             record.revision = expected
             stamp.seconds, stamp.nanos = updated
             raise
-        held.deltas = held.deltas + 1 if kind == frames.DELTA else 0
-        held.base = state
-        held.source = _Source(version, record.revision, self.index.chains.get(held.rollout_id))
+        held.pending = _PendingSave(held, record, item, state, updated)
+        return held.pending
 
     async def _delete(self, held: LogLease) -> None:
         """A tombstone newer than every write of the episode (a legacy file is unlinked as well)."""
@@ -736,6 +795,7 @@ class LogEpisodeStore(EpisodeStore):
 
     async def archive(self, lease: EpisodeLease, reason: str) -> str | None:
         held = self._check(lease)
+        _check_idle(held)
         if not REASON.fullmatch(reason):
             raise InvalidArgument(f"archive reason {reason!r} must match {REASON.pattern}")
         record = await self._io(self._load, held)
@@ -791,6 +851,11 @@ class LogEpisodeStore(EpisodeStore):
     async def _append(
         self, held: LogLease, kind: int, frame: bytes, version: int, revision: int, expires: int, size: int
     ) -> None:
+        await self._append_nowait(held, kind, frame, version, revision, expires, size).future
+
+    def _append_nowait(
+        self, held: LogLease, kind: int, frame: bytes, version: int, revision: int, expires: int, size: int
+    ) -> _Append:
         if self._closed:
             raise RuntimeError("the store is closed")
         if self._broken is not None:
@@ -802,7 +867,7 @@ class LogEpisodeStore(EpisodeStore):
         if self.commit_delay and next(self._handed) - self._written >= self.leases.count() and self._gate.locked():
             with contextlib.suppress(RuntimeError):  # released meanwhile from another event loop's thread
                 self._gate.release()  # no other save can come: the batch waits no longer
-        await item.future
+        return item
 
     def _unavailable(self) -> Unavailable:
         return Unavailable(

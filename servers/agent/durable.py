@@ -10,14 +10,18 @@ interleave. It loads the record and decides, in this order:
 - in progress → restore the resources session from the record's snapshot (also into a
   resources server that restarted and lost it), `resume_count + 1`, continue the phase.
 
-After every transition the record is saved before the episode moves on: after seeding and
-after each tool call or text turn with a fresh snapshot of the session, after each model call
-with the previous one (a model call does not touch the session). The snapshot comes in the
-reply of the call itself (`return_snapshot`) from a resources server that advertises it
-(`snapshot_in_replies`), and from a separate `CheckpointSession` call otherwise. A boundary
-that was saved is never run again; one that was not is run again from restored state, so
-its effects are not applied twice either. If the resources server loses the session mid-run
-(it restarted), the run goes back to the last saved boundary and goes on from there.
+After every transition the record is saved: after seeding and after each tool call or text
+turn with a fresh snapshot of the session, after each model call with the previous one (a
+model call does not touch the session). The episode's next call runs while that save goes to
+the disk (`EpisodeStore.begin_save`); the next boundary is written only once it is durable,
+and the completed record before `Run` returns. A crash in between loses that one boundary at
+most: the run continues from the one before, whose snapshot undoes the call that ran
+meanwhile. The snapshot comes in the reply of the call itself (`return_snapshot`) from a
+resources server that advertises it (`snapshot_in_replies`), and from a separate
+`CheckpointSession` call otherwise. A boundary that was saved is never run again; one that
+was not is run again from restored state, so its effects are not applied twice either. If
+the resources server loses the session mid-run (it restarted), the run goes back to the last
+saved boundary and goes on from there.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from gymrpc.servers.agent import checkpoint
 from gymrpc.servers.agent.faults import CrashPlan
 from gymrpc.servers.agent.loop import EpisodeLoop
 from gymrpc.servers.agent.state import EpisodeState, Phase
-from gymrpc.store import EpisodeCheckpoint, EpisodeLease, EpisodeStore
+from gymrpc.store import SAVED, EpisodeCheckpoint, EpisodeLease, EpisodeStore, PendingSave
 from gymrpc.store.encoded import decoded, encoded
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
@@ -193,32 +197,50 @@ class DurableEpisodes:
         self, lease: EpisodeLease, record: Message, state: EpisodeState, progress: bool
     ) -> AsyncGenerator[agent_pb.EpisodeProgress, None]:
         started, base = time.monotonic(), state.elapsed_s
+        saving = SAVED
         try:
             while state.phase is not Phase.COMPLETED:
-                message = await self._transition(lease, record, state, started, base)
+                message, saving = await self._transition(lease, record, state, started, base, saving)
                 if progress:
                     yield state.progress(message)
         except BaseException:
+            saving.abandon()  # still written; the lease lets the episode go once it is
             if state.phase not in (Phase.NEW, Phase.COMPLETED):
                 self.loop.close_in_background(state)  # a retry restores the session from the record anyway
             raise
 
     async def _transition(
-        self, lease: EpisodeLease, record: Message, state: EpisodeState, started: float, base: float
-    ) -> common_pb2.Message | None:
-        """One transition and its save; goes back to the last save when the resources session was lost."""
+        self,
+        lease: EpisodeLease,
+        record: Message,
+        state: EpisodeState,
+        started: float,
+        base: float,
+        saving: PendingSave,
+    ) -> tuple[common_pb2.Message | None, PendingSave]:
+        """One transition, while the previous boundary's save (`saving`) goes to the disk, and its own save begun.
+
+        Goes back to the last save when the resources session was lost.
+        """
         for recovery in range(SESSION_RECOVERIES + 1):
             phase = state.phase
             try:
                 state.session_snapshot = None
                 message = await self.loop.advance(state)
+                if self.crash is not None and phase is Phase.READY_FOR_TOOL and not state.text_turns:
+                    self.crash.at("unsaved_tool", len(state.tool_calls) - 1)
                 state.elapsed_s = base + time.monotonic() - started
                 if state.phase is Phase.COMPLETED:
                     checkpoint.record_completion(record, state, self.config.completed_ttl)
                 else:
                     snapshot = await self._snapshot(state) if phase in (Phase.NEW, Phase.READY_FOR_TOOL) else None
                     checkpoint.record_boundary(record, state, snapshot)
-                await self.store.save(lease, record)
+                await saving  # the previous boundary is durable before this one is written
+                saving = SAVED
+                if state.phase is Phase.COMPLETED:
+                    await self.store.save(lease, record)  # durable before `Run` returns the result
+                else:
+                    saving = await self.store.begin_save(lease, record)
             except GymrpcError as err:
                 if recovery == SESSION_RECOVERIES or not _session_lost(err, state):
                     raise
@@ -226,12 +248,16 @@ class DurableEpisodes:
                     "the resources session was lost; continuing from the last checkpoint",
                     extra={"episode": state.label, "phase": Phase(record.phase).name, "error": err.message},
                 )
+                await saving
+                saving = SAVED
                 await self._back_to_last_save(record, state)
                 state.session_recoveries += 1
                 continue
             if self.crash is not None:
+                await saving  # a crash point stands after a durable boundary
+                saving = SAVED
                 self._crash_point(phase, state)
-            return message
+            return message, saving
         raise AssertionError("unreachable")
 
     async def _snapshot(self, state: EpisodeState) -> common_pb2.SessionSnapshot:

@@ -3,12 +3,15 @@
 Timing a SIGKILL from outside cannot hit "right after the durable save of tool call 1";
 the agent itself can. Set in the agent's environment:
 
-    GYMRPC_CRASH_AT=after_seed | after_model[:N] | after_tool[:N] | after_turn[:N] | during_verify
+    GYMRPC_CRASH_AT=after_seed | after_model[:N] | after_tool[:N] | after_turn[:N] | unsaved_tool[:N]
+                    | during_verify | during_tool[:N]
     GYMRPC_CRASH_MARKER=/path/to/marker
 
 `after_*` kills the process right after the save that follows the seed, model call N
 (zero-based step), tool call N or text turn N of an episode (the first one when N is
-omitted). `during_verify` kills it after the resources server has served `Verify` but
+omitted). `unsaved_tool[:N]` kills it as soon as tool call N has returned, before the agent
+has waited for the save of the boundary before it (`EpisodeStore.begin_save`), which
+may or may not have reached the disk. `during_verify` kills it after the resources server has served `Verify` but
 before the agent has seen the reply, so the work is done and its result is lost;
 `during_tool[:N]` (agent functions, `gymrpc.agentkit`) likewise for tool call N. The
 marker file is created (O_EXCL) before the kill; a process that finds it does not
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
-KINDS = ("after_seed", "after_model", "after_tool", "after_turn", "during_verify", "during_tool")
+KINDS = ("after_seed", "after_model", "after_tool", "after_turn", "unsaved_tool", "during_verify", "during_tool")
 _SPEC = re.compile(r"(?P<kind>[a-z_]+)(?::(?P<index>\d+))?")
 
 
