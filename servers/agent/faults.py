@@ -9,13 +9,14 @@ the agent itself can. Set in the agent's environment:
 
 `after_*` kills the process right after the save that follows the seed, model call N
 (zero-based step), tool call N or text turn N of an episode (the first one when N is
-omitted). `unsaved_tool[:N]` kills it as soon as tool call N has returned, before the agent
-has waited for the save of the boundary before it (`EpisodeStore.begin_save`), which
-may or may not have reached the disk. `during_verify` kills it after the resources server has served `Verify` but
-before the agent has seen the reply, so the work is done and its result is lost;
-`during_tool[:N]` (agent functions, `gymrpc.agentkit`) likewise for tool call N. The
-marker file is created (O_EXCL) before the kill; a process that finds it does not
-crash, so the restarted agent finishes the episode. Never set these in production.
+omitted). `unsaved_tool[:N]` kills it as soon as tool call N has returned, before the
+agent has waited for the save of the boundary before it (`EpisodeStore.begin_save`),
+which may or may not have reached the disk. `during_verify` kills it after the resources
+server has served `Verify` but before the agent has seen the reply, so the work is done
+and its result is lost; `during_tool[:N]` (agent functions, `gymrpc.agentkit`) likewise
+for tool call N. The marker file is created (O_EXCL) before the kill; a process that
+finds it does not crash, so the restarted agent finishes the episode. Never set these in
+production.
 """
 
 from __future__ import annotations
