@@ -236,7 +236,6 @@ class DurableEpisodes:
                     snapshot = await self._snapshot(state) if phase in (Phase.NEW, Phase.READY_FOR_TOOL) else None
                     checkpoint.record_boundary(record, state, snapshot)
                 await saving  # the previous boundary is durable before this one is written
-                saving = SAVED
                 if state.phase is Phase.COMPLETED:
                     await self.store.save(lease, record)  # durable before `Run` returns the result
                 else:
@@ -248,14 +247,12 @@ class DurableEpisodes:
                     "the resources session was lost; continuing from the last checkpoint",
                     extra={"episode": state.label, "phase": Phase(record.phase).name, "error": err.message},
                 )
-                await saving
-                saving = SAVED
+                await saving  # awaiting a save again is free: it tells its outcome once more
                 await self._back_to_last_save(record, state)
                 state.session_recoveries += 1
                 continue
             if self.crash is not None:
                 await saving  # a crash point stands after a durable boundary
-                saving = SAVED
                 self._crash_point(phase, state)
             return message, saving
         raise AssertionError("unreachable")
