@@ -51,26 +51,86 @@ def new_record(state: EpisodeState, request_fingerprint: str, *, restart_count: 
     )
 
 
+class RecordWriter:
+    """Brings one run's `EncodedCheckpoint` to each boundary, touching only what moved since the last.
+
+    Each access to a field of a upb message from Python is a name lookup, a microsecond or so;
+    a boundary changes few of the record's fields (the phase, a counter or two, a list's tail,
+    perhaps the snapshot). So the writer keeps what it last wrote and compares in Python first.
+    Nothing else may change these fields of the record while the writer is in use (the store
+    changes only `revision` and `updated_at`, which the writer does not write).
+    """
+
+    __slots__ = (
+        "_counts",
+        "_elapsed",
+        "_lists",
+        "_next_tool_index",
+        "_pending",
+        "_pending_count",
+        "_phase",
+        "_rare",
+        "_step",
+        "_stop_reason",
+        "_tools",
+        "record",
+    )
+
+    def __init__(self, record: Message) -> None:
+        self.record = record
+        self._phase, self._step = record.phase, record.step
+        self._next_tool_index, self._stop_reason = record.next_tool_index, record.stop_reason
+        self._rare: tuple[Any, ...] = ()
+        self._elapsed = record.elapsed
+        self._tools: list[Any] | None = None
+        self._lists = (record.messages, record.model_calls, record.tool_calls)
+        self._counts = [len(items) for items in self._lists]
+        self._pending: list[Any] | None = None
+        self._pending_count = 0
+
+    def boundary(self, state: EpisodeState, snapshot: common_pb2.SessionSnapshot | None) -> None:
+        """The record at the boundary `state` stands at; `snapshot` replaces the session's if given."""
+        record = self.record
+        if state.phase != self._phase:
+            record.phase = self._phase = int(state.phase)  # type: ignore[assignment]
+        if state.step != self._step:
+            record.step = self._step = state.step
+        if state.next_tool_index != self._next_tool_index:
+            record.next_tool_index = self._next_tool_index = state.next_tool_index
+        if state.stop_reason != self._stop_reason:
+            record.stop_reason = self._stop_reason = state.stop_reason  # type: ignore[assignment]
+        set_duration(self._elapsed, state.elapsed_s)
+        rare = (state.resume_count, state.restart_count, state.failovers, state.session_recoveries, state.traceparent)
+        if rare != self._rare:
+            record.resume_count, record.restart_count = state.resume_count, state.restart_count
+            record.failovers, record.session_recoveries = state.failovers, state.session_recoveries
+            record.traceparent = state.traceparent
+            if state.parked_s:
+                set_duration(record.parked, state.parked_s)
+            self._rare = rare
+        if state.tools is not self._tools:
+            if not state.task.tools and len(record.tools) != len(state.tools):
+                _replace(record.tools, state.tools)
+            self._tools = state.tools
+        counts, lists = self._counts, self._lists
+        if len(state.messages) != counts[0]:
+            counts[0] = _encode_tail(lists[0], state.messages, counts[0])
+        if len(state.model_calls) != counts[1]:
+            counts[1] = _encode_tail(lists[1], state.model_calls, counts[1])
+            record.usage.CopyFrom(state.usage)  # usage moves with each model call, and only then
+        if len(state.tool_calls) != counts[2]:
+            counts[2] = _encode_tail(lists[2], state.tool_calls, counts[2])
+        pending = state.pending_tool_calls
+        if pending is not self._pending or len(pending) != self._pending_count:  # the loop replaces the list
+            _replace(record.pending_tool_calls, pending)
+            self._pending, self._pending_count = pending, len(pending)
+        if snapshot is not None:
+            record.resource_snapshot = snapshot.SerializeToString(deterministic=True)
+
+
 def record_boundary(record: Message, state: EpisodeState, snapshot: common_pb2.SessionSnapshot | None) -> None:
-    """Bring the `EncodedCheckpoint` to the boundary `state` stands at; `snapshot` replaces the session's if given."""
-    record.phase = int(state.phase)  # type: ignore[assignment]
-    record.step, record.next_tool_index = state.step, state.next_tool_index
-    record.stop_reason = state.stop_reason  # type: ignore[assignment]
-    record.resume_count, record.restart_count = state.resume_count, state.restart_count
-    record.failovers, record.session_recoveries = state.failovers, state.session_recoveries
-    record.traceparent = state.traceparent
-    set_duration(record.elapsed, state.elapsed_s)
-    if state.parked_s:
-        set_duration(record.parked, state.parked_s)
-    if not state.task.tools and len(record.tools) != len(state.tools):
-        _replace(record.tools, state.tools)
-    _encode_tail(record.messages, state.messages)
-    _encode_tail(record.model_calls, state.model_calls)
-    _encode_tail(record.tool_calls, state.tool_calls)
-    _replace(record.pending_tool_calls, state.pending_tool_calls)
-    record.usage.CopyFrom(state.usage)
-    if snapshot is not None:
-        record.resource_snapshot = snapshot.SerializeToString(deterministic=True)
+    """Bring the `EncodedCheckpoint` to the boundary `state` stands at, once (a run uses a `RecordWriter`)."""
+    RecordWriter(record).boundary(state, snapshot)
 
 
 def record_completion(record: Message, state: EpisodeState, ttl_s: float) -> None:
@@ -150,10 +210,13 @@ def check_running(record: EpisodeCheckpoint, *, snapshot: bool = True) -> None:
         )
 
 
-def _encode_tail(target: Any, source: list[Any]) -> None:
-    if len(target) > len(source):  # never happens with the loop's append-only lists; stay correct anyway
+def _encode_tail(target: Any, source: list[Any], done: int) -> int:
+    """Encode the items of `source` past the `done` that `target` holds; how many it holds now."""
+    if done > len(source):  # never happens with the loop's append-only lists; stay correct anyway
         del target[:]
-    target.extend([item.SerializeToString(deterministic=True) for item in source[len(target) :]])
+        done = 0
+    target.extend([item.SerializeToString(deterministic=True) for item in source[done:]])
+    return len(source)
 
 
 def _replace(target: Any, source: list[Any]) -> None:

@@ -197,10 +197,10 @@ class DurableEpisodes:
         self, lease: EpisodeLease, record: Message, state: EpisodeState, progress: bool
     ) -> AsyncGenerator[agent_pb.EpisodeProgress, None]:
         started, base = time.monotonic(), state.elapsed_s
-        saving = SAVED
+        writer, saving = checkpoint.RecordWriter(record), SAVED
         try:
             while state.phase is not Phase.COMPLETED:
-                message, saving = await self._transition(lease, record, state, started, base, saving)
+                message, saving = await self._transition(lease, writer, state, started, base, saving)
                 if progress:
                     yield state.progress(message)
         except BaseException:
@@ -212,7 +212,7 @@ class DurableEpisodes:
     async def _transition(
         self,
         lease: EpisodeLease,
-        record: Message,
+        writer: checkpoint.RecordWriter,
         state: EpisodeState,
         started: float,
         base: float,
@@ -222,6 +222,7 @@ class DurableEpisodes:
 
         Goes back to the last save when the resources session was lost.
         """
+        record = writer.record
         for recovery in range(SESSION_RECOVERIES + 1):
             phase = state.phase
             try:
@@ -234,7 +235,7 @@ class DurableEpisodes:
                     checkpoint.record_completion(record, state, self.config.completed_ttl)
                 else:
                     snapshot = await self._snapshot(state) if phase in (Phase.NEW, Phase.READY_FOR_TOOL) else None
-                    checkpoint.record_boundary(record, state, snapshot)
+                    writer.boundary(state, snapshot)
                 await saving  # the previous boundary is durable before this one is written
                 if state.phase is Phase.COMPLETED:
                     await self.store.save(lease, record)  # durable before `Run` returns the result

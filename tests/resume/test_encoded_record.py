@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
+import pytest
 from google.protobuf import any_pb2
 
+from gymrpc.chat import default_tokenizer
+from gymrpc.pbtime import duration
 from gymrpc.servers.agent import checkpoint
 from gymrpc.servers.agent.loop import EpisodeLoop
 from gymrpc.servers.agent.participant import boundary_record
 from gymrpc.servers.agent.state import EpisodeState, Phase
-from gymrpc.store import EpisodeCheckpoint
+from gymrpc.servers.model.backends.scripted import ScriptedBackend
+from gymrpc.servers.model.backends.sources import CounterSolver
+from gymrpc.servers.model.service import ModelServicer
+from gymrpc.store import SCHEMA_VERSION, EpisodeCheckpoint
 from gymrpc.store.encoded import EncodedCheckpoint, decoded, encoded, pack
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from tests.agent.fakes import counter_resources, fake_model
+from tests.agent.fakes import DirectStub, counter_resources, fake_model
 from tests.resume.helpers import task
 
 
@@ -67,35 +74,79 @@ def test_an_empty_snapshot_is_written_as_the_message_writes_it() -> None:
     assert not EncodedCheckpoint().HasField("resource_snapshot")
 
 
-def test_every_boundary_of_a_real_episode_is_the_record_of_its_state() -> None:
+def state_record(
+    state: EpisodeState, fingerprint: str, snapshot: common_pb2.SessionSnapshot | None
+) -> EpisodeCheckpoint:
+    """The record of `state` at its boundary, field by field, as the durable path promises to write it."""
+    return EpisodeCheckpoint(
+        schema_version=SCHEMA_VERSION,
+        episode_id=state.episode_id,
+        request_fingerprint=fingerprint,
+        policy_version=state.policy_version,
+        phase=int(state.phase),
+        step=state.step,
+        next_tool_index=state.next_tool_index,
+        max_steps=state.max_steps,
+        text_turns=state.text_turns,
+        session_id=state.session_id,
+        tools=[] if state.task.tools else state.tools,
+        messages=state.messages,
+        pending_tool_calls=state.pending_tool_calls,
+        stop_reason=state.stop_reason,
+        model_calls=state.model_calls,
+        tool_calls=state.tool_calls,
+        usage=state.usage if state.model_calls else None,  # written with the first model call
+        resource_snapshot=snapshot,
+        resume_count=state.resume_count,
+        restart_count=state.restart_count,
+        elapsed=duration(state.elapsed_s),
+        failovers=state.failovers,
+        session_recoveries=state.session_recoveries,
+        traceparent=state.traceparent,
+    )
+
+
+def solver_model() -> DirectStub:
+    """The scripted model that solves counter tasks, several tool calls in one turn."""
+    tokenizer = default_tokenizer()
+    return DirectStub(ModelServicer(ScriptedBackend(tokenizer, [CounterSolver()]), tokenizer))
+
+
+@pytest.mark.parametrize("model", [fake_model, solver_model])
+def test_every_boundary_of_a_real_episode_is_the_record_of_its_state(model: Callable[[], DirectStub]) -> None:
     """The agent's loop runs a counter episode; after each transition the record the durable path keeps
-    holds exactly the state's lists and snapshot, and writes the bytes of that `EpisodeCheckpoint`."""
+    (one `RecordWriter` for the run, which writes only what moved) is the record of the state, field
+    by field, and its lists and snapshot are the state's."""
     resources = counter_resources()
 
     async def main() -> int:
         state = EpisodeState("ep", 0, task(1), 8)
-        loop = EpisodeLoop(resources, fake_model())
+        loop = EpisodeLoop(resources, model())
         loop.snapshots_in_replies = True
-        record = checkpoint.new_record(state, checkpoint.fingerprint(state.task))
-        boundaries = 0
+        fingerprint = checkpoint.fingerprint(state.task)
+        record = checkpoint.new_record(state, fingerprint)
+        writer = checkpoint.RecordWriter(record)
+        boundaries, latest = 0, None
         while state.phase is not Phase.COMPLETED:
             phase = state.phase
             state.session_snapshot = None
             await loop.advance(state)
+            state.elapsed_s += 0.25
+            state.failovers += phase is Phase.READY_FOR_TOOL  # counters that move now and then: written too
             if state.phase is Phase.COMPLETED:
                 checkpoint.record_completion(record, state, 60.0)
                 assert decoded(record).final_result == state.trajectory()
                 break
             snapshot = state.session_snapshot if phase in (Phase.NEW, Phase.READY_FOR_TOOL) else None
             assert (snapshot is None) == (phase not in (Phase.NEW, Phase.READY_FOR_TOOL))
-            checkpoint.record_boundary(record, state, snapshot)
+            latest = snapshot or latest
+            writer.boundary(state, snapshot)
             saved = decoded(record)
-            assert record.SerializeToString(deterministic=True) == saved.SerializeToString(deterministic=True)
             assert list(saved.messages) == state.messages
             assert list(saved.model_calls) == state.model_calls
             assert list(saved.tool_calls) == state.tool_calls
-            if snapshot is not None:
-                assert saved.resource_snapshot == snapshot
+            assert saved.resource_snapshot == latest
+            assert saved == state_record(state, fingerprint, latest)
             boundaries += 1
         return boundaries
 
