@@ -259,6 +259,9 @@ class LogLease(EpisodeLease):
         """This lease's latest frame handed to the commit thread (frames are written in order)."""
         self.pending: _PendingSave | None = None
         """A save begun and not yet awaited: the lease takes no other save or load until it is."""
+        self.stamped: tuple[EpisodeCheckpoint, Any, tuple[int, int]] | None = None
+        """The record last saved under the lease, its `updated_at` and the stamp written there: a save of the
+        same record again reads neither its id nor its stamp (each upb field access is a name lookup)."""
 
     @property
     def held(self) -> bool:
@@ -307,7 +310,7 @@ class _PendingSave(PendingSave):
         try:
             await item.future
         except BaseException:
-            held.pending = None
+            held.pending = held.stamped = None
             self.record.revision = item.revision - 1
             self.record.updated_at.seconds, self.record.updated_at.nanos = self.updated
             raise
@@ -737,10 +740,17 @@ class LogEpisodeStore(EpisodeStore):
     def _begin_save(self, lease: EpisodeLease, record: EpisodeCheckpoint) -> _PendingSave:
         """The frame built and handed to the commit thread, at once (the event loop's thread encodes it)."""
         held = self._check(lease)
-        if record.episode_id.rollout_id != held.rollout_id:
-            raise InvalidArgument(
-                f"a record of {record.episode_id.rollout_id!r} cannot be saved under the lease of {held.rollout_id!r}"
-            )
+        stamped = held.stamped
+        if stamped is not None and stamped[0] is record:
+            stamp, updated = stamped[1], stamped[2]
+        else:
+            if record.episode_id.rollout_id != held.rollout_id:
+                raise InvalidArgument(
+                    f"a record of {record.episode_id.rollout_id!r} cannot be saved under the lease of "
+                    f"{held.rollout_id!r}"
+                )
+            stamp = record.updated_at
+            updated = stamp.seconds, stamp.nanos  # plain ints: a Timestamp copy costs more than the frame
         if held.source.damaged:
             raise self._damaged(held)
         _check_idle(held)
@@ -758,10 +768,9 @@ class LogEpisodeStore(EpisodeStore):
                     "expected_revision": str(expected),
                 },
             )
-        stamp = record.updated_at
-        updated = stamp.seconds, stamp.nanos  # plain ints: a Timestamp copy and its helpers cost more than the frame
-        record.revision = expected + 1
-        stamp.seconds, stamp.nanos = divmod(time.time_ns(), 1_000_000_000)
+        revision, now = expected + 1, divmod(time.time_ns(), 1_000_000_000)
+        record.revision = revision
+        stamp.seconds, stamp.nanos = now
         try:
             data = record.SerializeToString(deterministic=True)
             state = _DIFFER.values(data, serialized=True) if self.full_every else None
@@ -774,13 +783,15 @@ class LogEpisodeStore(EpisodeStore):
                     crc = zlib.crc32(data) if crc is None else crc
                     kind, payload = frames.DELTA, frames.encode_delta_payload(crc, delta)
             frame = frames.encode(
-                kind, held.rollout_id, payload, version=version, revision=record.revision, expires_ns=expires
+                kind, held.rollout_id, payload, version=version, revision=revision, expires_ns=expires
             )
-            item = self._append_nowait(held, kind, frame, version, record.revision, expires, len(data))
+            item = self._append_nowait(held, kind, frame, version, revision, expires, len(data))
         except BaseException:
+            held.stamped = None
             record.revision = expected
             stamp.seconds, stamp.nanos = updated
             raise
+        held.stamped = (record, stamp, now)
         held.pending = _PendingSave(held, record, item, state, updated)
         return held.pending
 
