@@ -20,8 +20,12 @@ beside them (the machine's slow swings cancel out):
 
 `on` minus `off` is split into those three parts.
 
+`--only MODE` runs one mode alone (a warm-up round, then the rounds): a run to count under
+`valgrind --tool=callgrind`, whose instruction counts do not move with the machine's load
+(`bench/README.md`, "A record writer that touches only what moved").
+
     .venv/bin/python bench/durable_cpu.py [--quick] [--episodes N] [--concurrency C] [--rounds R] [--dir PATH]
-        [--json out.json]
+        [--only MODE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -144,26 +148,27 @@ class Bench:
             await store.close()
 
 
-async def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+async def measure(args: argparse.Namespace, folder: Path, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     bench = Bench(folder, args.concurrency)
-    rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    rounds: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     try:
-        for mode in MODES:  # warm-up: imports, the servicers' caches, the stores' first folders
+        for mode in modes:  # warm-up: imports, the servicers' caches, the stores' first folders
             await bench.round(mode, args.concurrency)
         saves = bench.stores["on"].stats.writes
         for r in range(args.rounds):
-            for mode in MODES if r % 2 == 0 else reversed(MODES):
+            for mode in modes if r % 2 == 0 else reversed(modes):
                 rounds[mode].append(await bench.round(mode, args.episodes))
                 print(f"  round {r} {mode:9s} {rounds[mode][-1]['cpu_ms']:6.3f} ms CPU per episode", flush=True)
         boundaries = (bench.stores["on"].stats.writes - saves) / (args.rounds * args.episodes)
     finally:
         await bench.close()
     result: dict[str, Any] = {"boundaries_per_episode": boundaries}
-    for mode in MODES:
+    for mode in modes:
         result[mode] = {key: statistics.median(r[key] for r in rounds[mode]) for key in ("cpu_ms", "main_ms")}
-        result[mode]["added_us"] = statistics.median(
-            (r["cpu_ms"] - off["cpu_ms"]) * 1e3 for r, off in zip(rounds[mode], rounds["off"], strict=True)
-        )
+        if "off" in rounds:
+            result[mode]["added_us"] = statistics.median(
+                (r["cpu_ms"] - off["cpu_ms"]) * 1e3 for r, off in zip(rounds[mode], rounds["off"], strict=True)
+            )
     return result
 
 
@@ -174,13 +179,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64, help="episodes in flight (default %(default)s)")
     parser.add_argument("--rounds", type=int, help="rounds per mode (default 15; quick 1)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp"), help="folder on the filesystem of the store")
+    parser.add_argument("--only", choices=MODES, help="run this mode alone (to count its instructions)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     args = parser.parse_args(argv)
     args.episodes = args.episodes or (100 if args.quick else 500)
     args.rounds = args.rounds or (1 if args.quick else 15)
     settle_heap()  # as every server process does before it serves
     with tempfile.TemporaryDirectory(prefix="gymrpc-durable-cpu-", dir=args.dir) as tmp:
-        results = asyncio.run(measure(args, Path(tmp)))
+        results = asyncio.run(measure(args, Path(tmp), (args.only,) if args.only else MODES))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"args": {**vars(args), "dir": str(args.dir), "json": str(args.json)}, "results": results}, indent=2
+            )
+        )
+    if args.only:
+        r = results[args.only]
+        print(f"{args.only}: {r['cpu_ms']:.3f} ms CPU per episode (event loop thread {r['main_ms']:.3f})")
+        return 0
     off, on = results["off"], results["on"]
     per = results["boundaries_per_episode"]
     print(
@@ -203,12 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         f"RATIO on / off: {on['cpu_ms'] / off['cpu_ms']:.3f}x CPU per episode in this process (the agent and the "
         "servers' own work; a stack adds gRPC and its processes to both, so its ratio is nearer 1)"
     )
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {"args": {**vars(args), "dir": str(args.dir), "json": str(args.json)}, "results": results}, indent=2
-            )
-        )
     return 0
 
 

@@ -19,3 +19,14 @@ def test_quick_durable_cpu_bench_reports_every_mode_and_the_split(tmp_path: Path
         assert results[mode]["main_ms"] > 0
     assert "durable resume adds" in out
     assert "RATIO on / off" in out
+
+
+def test_one_mode_alone_runs_only_that_mode(tmp_path: Path) -> None:
+    """`--only` (the run counted under callgrind): that mode's figures and no other's."""
+    out, figures = run_quick(
+        "durable_cpu.py", tmp_path, timeout=300, args=["--dir", str(tmp_path), "--only", "on"], env=without_pythonpath()
+    )
+    assert set(figures["results"]) == {"boundaries_per_episode", "on"}
+    assert figures["results"]["boundaries_per_episode"] == 8.0
+    assert figures["results"]["on"]["cpu_ms"] > 0
+    assert out.splitlines()[-1].startswith("on: ")
