@@ -57,6 +57,7 @@ from gymrpc.store import (  # noqa: E402
     fields,
 )
 from gymrpc.store.encoded import encoded  # noqa: E402
+from gymrpc.store.log import COMMIT_THREAD  # noqa: E402
 from gymrpc.v1 import agent_service_pb2 as agent_pb  # noqa: E402
 from gymrpc.v1 import common_pb2  # noqa: E402
 
@@ -171,7 +172,7 @@ async def run_round(store: EpisodeStore, label: str, args: argparse.Namespace) -
     }
 
 
-THREADS = {"MainThread": "loop", "store-log": "commit", "store-io": "io"}
+THREADS = {"MainThread": "loop", COMMIT_THREAD: "commit", "store-io": "io"}
 """Thread name prefixes whose CPU is reported apart: the event loop, the log's commit thread, its I/O pool."""
 
 

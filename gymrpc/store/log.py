@@ -91,6 +91,8 @@ _VIEW_READ = 64 << 10
 """Bytes a view reads at a time: past the owner's last batch lie only its zeros."""
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 OWNER = "owner.lock"
+COMMIT_THREAD = "store-log"
+"""The commit thread's name (a profiler or a bench finds it by its name)."""
 SCHEME = ranges.MARKER
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
@@ -422,7 +424,7 @@ class LogEpisodeStore(EpisodeStore):
         self._broken: BaseException | None = None
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="store-io")
-        self._thread = threading.Thread(target=self._run, name="store-log", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=COMMIT_THREAD, daemon=True)
         self._thread.start()
 
     # -- opening -----------------------------------------------------------------------------

@@ -19,6 +19,9 @@ def test_quick_durable_cpu_bench_reports_every_mode_and_the_split(tmp_path: Path
     for mode in ("off", "on", "no-writes", "no-commit"):
         assert results[mode]["cpu_ms"] > 0
         assert results[mode]["main_ms"] > 0
+        assert results[mode]["commit_ms"] >= 0
+    assert results["on"]["commit_ms"] > 0, "the one store whose commit thread writes: its CPU is counted"
+    assert "of which the commit thread's own CPU" in out
     assert "durable resume adds" in out
     assert "RATIO on / off" in out
 
