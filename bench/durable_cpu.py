@@ -4,9 +4,9 @@
 other jobs move a single run's on / off ratio by a tenth. Here everything runs in this process:
 the agent's loop (`EpisodeLoop`, `DurableEpisodes`), the real counter resources servicer and the
 real scripted model servicer (counter policy), called directly (no gRPC), and the real
-`LogEpisodeStore` on `--dir`. Only CPU is measured (the process's, and its event-loop thread's),
-so the figure is what durability costs the agent, per episode and per boundary, within a few
-percent from run to run. The same counter episodes run at a fixed concurrency in four modes,
+`LogEpisodeStore` on `--dir`. Only CPU is measured (the process's, its event-loop thread's and
+its stores' commit threads'), so the figure is what durability costs the agent, per episode and
+per boundary, within a few percent from run to run. The same counter episodes run at a fixed concurrency in four modes,
 in many short rounds alternating (the order reversed every round); each mode's CPU is the median
 of its rounds, and what it adds to `off` the median of its rounds' differences to the `off` round
 beside them (the machine's slow swings cancel out):
