@@ -6,10 +6,10 @@ the agent's loop (`EpisodeLoop`, `DurableEpisodes`), the real counter resources 
 real scripted model servicer (counter policy), called directly (no gRPC), and the real
 `LogEpisodeStore` on `--dir`. Only CPU is measured (the process's, its event-loop thread's and
 its stores' commit threads'), so the figure is what durability costs the agent, per episode and
-per boundary, within a few percent from run to run. The same counter episodes run at a fixed concurrency in four modes,
-in many short rounds alternating (the order reversed every round); each mode's CPU is the median
-of its rounds, and what it adds to `off` the median of its rounds' differences to the `off` round
-beside them (the machine's slow swings cancel out):
+per boundary, within a few percent from run to run. The same counter episodes run at a fixed
+concurrency in four modes, in many short rounds alternating (the order reversed every round);
+each mode's CPU is the median of its rounds, and what it adds to `off` the median of its rounds'
+differences to the `off` round beside them (the machine's slow swings cancel out):
 
 - `off`: `EpisodeLoop.run`, no checkpoints;
 - `on`: `DurableEpisodes` with a `LogEpisodeStore` (the agent's default store);
@@ -176,6 +176,13 @@ async def measure(args: argparse.Namespace, folder: Path, modes: tuple[str, ...]
     return result
 
 
+def _cpu(r: dict[str, float]) -> str:
+    return (
+        f"{r['cpu_ms']:6.3f} ms CPU per episode (event loop thread {r['main_ms']:6.3f}, commit thread "
+        f"{r['commit_ms']:6.3f})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short run (smoke tests)")
@@ -199,10 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.only:
         r = results[args.only]
-        print(
-            f"{args.only}: {r['cpu_ms']:.3f} ms CPU per episode (event loop thread {r['main_ms']:.3f}, commit "
-            f"thread {r['commit_ms']:.3f})"
-        )
+        print(f"{args.only}: {_cpu(r)}")
         return 0
     off, on = results["off"], results["on"]
     per = results["boundaries_per_episode"]
@@ -211,11 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for mode in MODES:
         r = results[mode]
-        print(
-            f"{mode:9s} {r['cpu_ms']:6.3f} ms CPU per episode (event loop thread {r['main_ms']:6.3f}, commit thread "
-            f"{r['commit_ms']:6.3f})  "
-            f"{r['added_us']:+6.0f} us against off"
-        )
+        print(f"{mode:9s} {_cpu(r)}  {r['added_us']:+6.0f} us against off")
     added, path = on["added_us"], results["no-writes"]["added_us"]
     encoding = results["no-commit"]["added_us"] - path
     print(

@@ -56,6 +56,7 @@ from gymrpc.store import (  # noqa: E402
     LogEpisodeStore,
     fields,
 )
+from gymrpc.store.base import IO_THREADS  # noqa: E402
 from gymrpc.store.encoded import encoded  # noqa: E402
 from gymrpc.store.log import COMMIT_THREAD  # noqa: E402
 from gymrpc.v1 import agent_service_pb2 as agent_pb  # noqa: E402
@@ -172,7 +173,7 @@ async def run_round(store: EpisodeStore, label: str, args: argparse.Namespace) -
     }
 
 
-THREADS = {"MainThread": "loop", COMMIT_THREAD: "commit", "store-io": "io"}
+THREADS = {"MainThread": "loop", COMMIT_THREAD: "commit", IO_THREADS: "io"}
 """Thread name prefixes whose CPU is reported apart: the event loop, the log's commit thread, its I/O pool."""
 
 

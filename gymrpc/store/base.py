@@ -16,6 +16,8 @@ from typing import Any
 from gymrpc.v1 import episode_checkpoint_pb2 as ckpt_pb
 
 EpisodeCheckpoint = ckpt_pb.EpisodeCheckpoint
+IO_THREADS = "store-io"
+"""The name prefix of a store's I/O threads (a profiler or a bench finds them by it)."""
 
 
 class EpisodeLease(abc.ABC):

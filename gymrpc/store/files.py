@@ -35,7 +35,7 @@ from gymrpc.durable import fsync_folder
 from gymrpc.errors import Aborted, FailedPrecondition, GymrpcError, InvalidArgument
 from gymrpc.ids import check_id
 from gymrpc.store import codec, ranges
-from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore
+from gymrpc.store.base import IO_THREADS, EpisodeCheckpoint, EpisodeLease, EpisodeStore
 from gymrpc.store.commit import CommitStats, GroupCommitter, SyncMode
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class FilesystemEpisodeStore(EpisodeStore):
             )
         self._create_folders()
         self.committer = committer or GroupCommitter(sync=sync, root=self.root)
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="store-io")
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=IO_THREADS)
 
     def _create_folders(self) -> None:
         """All 256 shards up front, made durable once, so saves never create folders."""

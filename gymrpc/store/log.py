@@ -68,7 +68,7 @@ from gymrpc.durable import fsync_folder
 from gymrpc.errors import Aborted, DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 from gymrpc.ids import check_id
 from gymrpc.store import codec, fields, frames, ranges
-from gymrpc.store.base import EpisodeCheckpoint, EpisodeLease, EpisodeStore, PendingSave
+from gymrpc.store.base import IO_THREADS, EpisodeCheckpoint, EpisodeLease, EpisodeStore, PendingSave
 from gymrpc.store.commit import CommitStats
 from gymrpc.store.files import REASON, _read, _read_header, _sweep, _unlink
 
@@ -423,7 +423,7 @@ class LogEpisodeStore(EpisodeStore):
         self._gate.acquire()
         self._broken: BaseException | None = None
         self._closed = False
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="store-io")
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=IO_THREADS)
         self._thread = threading.Thread(target=self._run, name=COMMIT_THREAD, daemon=True)
         self._thread.start()
 
