@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,21 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+def settled(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A page whose store counters two scrapes agree on: a store's commit thread goes on after it acknowledges
+    a batch (zeroes ahead, compacts) and bumps its counters one statement at a time, so a scrape taken
+    meanwhile can see `fsyncs` counted and `zero_ahead_syncs` not yet."""
+    previous: dict = {}
+    for _ in range(200):
+        page = scrape(url)
+        store = {k: v for k, v in page.items() if k[0].startswith("gymrpc_store_")}
+        if store == previous:
+            return page
+        previous = store
+        time.sleep(0.05)
+    raise AssertionError(f"the store counters of {url} never stopped moving")
 
 
 def total(samples: dict, metric: str, **labels: str) -> float:
@@ -187,7 +203,7 @@ def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: An
             )
 
     assert [t.reward for t in asyncio.run(episodes())] == [1.0] * 4
-    page = scrape(metrics_urls(run_dir)["agent/durable"])
+    page = settled(metrics_urls(run_dir)["agent/durable"])
     records = total(page, "gymrpc_store_records_written_total")
     assert records >= 3 * 3  # each episode has at least three durable boundaries
     assert total(page, "gymrpc_store_full_frames_total") + total(page, "gymrpc_store_delta_frames_total") == records

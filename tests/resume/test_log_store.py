@@ -720,7 +720,7 @@ def test_a_crash_at_any_byte_of_a_compaction_keeps_every_record(tmp_path: Path) 
 
 def test_a_lease_taken_before_a_compaction_still_loads_its_record(tmp_path: Path) -> None:
     async def scenario() -> None:
-        store = LogEpisodeStore(tmp_path)
+        store = LogEpisodeStore(tmp_path, zero_ahead=0)  # the commit thread does nothing after a batch's ack
         kept = _record("kept")
         for step in range(5):
             _grow(kept, step)

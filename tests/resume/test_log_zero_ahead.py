@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import mmap
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ from gymrpc.errors import DataLoss
 from gymrpc.store import EpisodeLease, LogEpisodeStore, frames
 from gymrpc.store.log import LogView
 from gymrpc.v1 import common_pb2
-from tests.resume.test_log_store import _load, _save
+from tests.resume.test_log_store import ROOT, _load, _save
 from tests.resume.test_store import _record
 
 EPISODES = 6
@@ -151,28 +154,50 @@ def _written_bytes() -> int:
     return int(dict(line.split(": ") for line in lines)["write_bytes"])
 
 
+def count_writes(root: str) -> None:
+    """Save 40 records and print what the process was counted as writing, and what it wrote (JSON).
+
+    Run alone in a fresh process: /proc/PID/io counts the whole process, pytest's capture files and other
+    tests' threads too. From the start (the commit thread is idle until the first save) to the close: the
+    thread zeroes ahead after it acknowledges a batch, so a count taken meanwhile has pages `_zeroed_to`
+    does not."""
+
+    async def scenario() -> dict[str, int]:
+        store = LogEpisodeStore(Path(root), full_every=0)
+        records = [_record(f"w{i}") for i in range(40)]
+        counted = _written_bytes()
+        for record in records:
+            record.messages.append(common_pb2.Message(content=_text(record.episode_id.rollout_id, 9000)))
+            await _save(store, record)
+        await store.close()
+        return {
+            "counted": _written_bytes() - counted,
+            "written": store.stats.bytes + store._zeroed_to,
+            "batches": store.stats.batches,
+        }
+
+    print(json.dumps(asyncio.run(scenario())))
+
+
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="Linux per-process I/O accounting")
 def test_a_batch_into_zeros_is_counted_as_what_it_writes(tmp_path: Path) -> None:
     """The zeros are written a page at a time: written in large pieces, the page cache holds them in
     large folios, and each batch after is counted as writing its whole folio (a 1 MiB folio for a 13 KB
     batch on Linux 6.18, ext4), so /proc/PID/io, iotop and node exporters report the agent writing
     tens of times what reaches the disk."""
-
-    async def scenario() -> None:
-        store = LogEpisodeStore(tmp_path, full_every=0)
-        records = [_record(f"w{i}") for i in range(40)]
-        # Counted from the start (the commit thread is idle until the first save) to its close: it zeroes
-        # ahead after it acknowledges a batch, so a count taken meanwhile has pages `_zeroed_to` does not.
-        counted = _written_bytes()
-        for record in records:
-            record.messages.append(common_pb2.Message(content=_text(record.episode_id.rollout_id, 9000)))
-            await _save(store, record)
-        await store.close()
-        written = store.stats.bytes + store._zeroed_to
-        slack = store.stats.batches * 2 * mmap.PAGESIZE  # a batch's first and last pages are partial
-        assert _written_bytes() - counted <= written + slack
-
-    asyncio.run(scenario())
+    child = "import sys; from tests.resume.test_log_zero_ahead import count_writes; count_writes(sys.argv[1])"
+    proc = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    slack = seen["batches"] * 2 * mmap.PAGESIZE  # a batch's first and last pages are partial
+    assert seen["counted"] <= seen["written"] + slack, seen
 
 
 @pytest.mark.parametrize("lost", ["a middle sector", "the first sector's part", "everything but the commit"])
