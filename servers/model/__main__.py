@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     updates.add_argument(
         "--weights-staging-dir",
         type=Path,
-        help="where UploadWeights writes streamed files before loading them (default: a folder under $TMPDIR)",
+        help="where UploadWeights stages streamed files before loading them: this process makes a private "
+        "folder in it, removed when it stops (default: $TMPDIR)",
     )
     updates.add_argument(
         "--max-weights-bytes",
@@ -262,6 +263,7 @@ def main() -> None:
         front_door, serving = await start_openai(args, servicer, config.name, config.token), config
         if front_door is not None:  # clients find the front door by the model's stable name
             serving = dataclasses.replace(config, labels={**config.labels, OPENAI_LABEL: front_door.url})
+        weights = None
         if config.token:
             weights = WeightsServicer(
                 servicer.backend,
@@ -278,6 +280,8 @@ def main() -> None:
             if plane is not None:
                 await plane.close()
             await servicer.close()
+            if weights is not None:
+                weights.close()
 
         await serve(serving, bindings, on_stop=stop)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 
 from gymrpc.client import Client
 from gymrpc.errors import Aborted, FailedPrecondition, GymrpcError, InvalidArgument, Unauthenticated
+from gymrpc.launch.private import LOCK
 from gymrpc.pbtime import timestamp
 from gymrpc.testing.safetensors_files import write_safetensors
 from gymrpc.v1 import common_pb2
@@ -213,10 +215,40 @@ def test_bad_uploads_are_refused_and_leave_nothing_staged(stack: Any, run_dir: P
             ok = await stub.UploadWeights(_aiter(messages), metadata=md)  # the same id after refusals: applied
             assert ok.weight_version == "up:1"
 
+    before = set(_staging_folders())
     asyncio.run(scenario())
-    staging = [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("gymrpc-weights-*/upload-*")]
-    pid = stack.server(MODEL)["pid"]
-    assert not [p for p in staging if p.parent.name == f"gymrpc-weights-{pid}"]
+    (folder,) = set(_staging_folders()) - before  # made at the first upload
+    assert folder.name != f"gymrpc-weights-{stack.server(MODEL)['pid']}", "a name no other user can make first"
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert folder.stat().st_uid == os.getuid()
+    assert [p.name for p in folder.iterdir()] == [LOCK], "nothing of the uploads stays staged"
+    stack.stop()
+    assert not folder.exists(), "the server removes its staging folder when it stops"
+
+
+def _staging_folders() -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob("gymrpc-weights-*"))
+
+
+def test_a_killed_servers_staged_upload_is_removed_by_the_next(stack: Any, run_dir: Path) -> None:
+    """A model server SIGKILLed mid-upload cannot remove what it staged; its successor does at its first."""
+    before = set(_staging_folders())
+
+    async def upload(request_id: str, version: str) -> str:
+        async with Client(run_dir=run_dir) as client:
+            return await update_weights(
+                client, MODEL, weight_version=version, stream_from=run_dir / "w0", request_id=request_id
+            )
+
+    assert asyncio.run(upload("first", "up:1")).weight_version == "up:1"
+    (killed,) = set(_staging_folders()) - before
+    half = killed / "upload-halfway"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(bytes(1 << 20))  # what the kill left of the next upload
+    old = stack.kill(MODEL)
+    stack.wait_for(MODEL, lambda s: s["pid"] not in (None, old) and s["state"] == "serving")
+    assert asyncio.run(upload("second", "up:2")).weight_version == "up:2"
+    assert not killed.exists(), "the next server's first upload swept the dead one's folder"
 
 
 async def _aiter(items: list[Any]) -> Any:

@@ -33,6 +33,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from gymrpc.control import ControlPlane
 from gymrpc.control.types import Phase
 from gymrpc.errors import Aborted, InvalidArgument, Unimplemented
+from gymrpc.launch.private import PrivateFolder
 from gymrpc.servers.bootstrap import ServiceBinding
 from gymrpc.servers.model.weights import transfer, upload
 from gymrpc.servers.model.weights.folder import DEFAULT_MAX_TOTAL_BYTES, check_matches, open_folder
@@ -58,6 +59,15 @@ MODE_PB = {
     Mode.CUT: pb.WEIGHT_UPDATE_MODE_CUT,
     Mode.DRAIN: pb.WEIGHT_UPDATE_MODE_DRAIN,
 }
+
+
+STAGING_PREFIX = "gymrpc-weights-"
+
+
+def _private_staging(parent: Path | None) -> PrivateFolder:
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return PrivateFolder(STAGING_PREFIX, parent)
 
 
 def _bad(message: str, field: str) -> InvalidArgument:
@@ -104,6 +114,22 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
         """When set, `UpdateWeights.path` must lie inside one of these folders."""
         self._replies: OrderedDict[str, tuple[str, Any]] = OrderedDict()
         self._running: dict[str, tuple[str, asyncio.Future[Any]]] = {}
+        self._staging: PrivateFolder | None = None
+        self._staging_lock = asyncio.Lock()
+
+    async def _staging_root(self) -> Path:
+        """This process's staging folder, made at its first upload: a random 0700 name, not one another user
+        of a shared $TMPDIR could make first, removed by `close`, and by the next server's if this one is
+        killed mid-upload (else the gigabytes it staged stay on the node)."""
+        async with self._staging_lock:
+            if self._staging is None:
+                self._staging = await asyncio.to_thread(_private_staging, self.staging_dir)
+            return self._staging.path
+
+    def close(self) -> None:
+        if self._staging is not None:
+            self._staging.remove()
+            self._staging = None
 
     # -- RPCs -------------------------------------------------------------------------------
 
@@ -160,8 +186,7 @@ class WeightsServicer(pb_grpc.WeightsServiceServicer):
 
         async def work() -> pb.UpdateWeightsResponse:
             self._check_no_checkpoint()  # before receiving gigabytes that could not be applied
-            root = self.staging_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"gymrpc-weights-{os.getpid()}"
-            folder = await upload.receive(header, request_iterator, root, self.max_total_bytes)
+            folder = await upload.receive(header, request_iterator, await self._staging_root(), self.max_total_bytes)
             try:
                 return await self._update(folder, header.weight_version, mode)
             finally:
