@@ -49,6 +49,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -345,6 +346,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await deployment.close()
         gc.collect()  # stopped grpc.aio servers are collected while their loop still runs
+        shutil.rmtree(root, ignore_errors=True)  # the checkpoints written: hundreds of MB at 5,000 episodes
 
 
 def report(r: dict[str, Any]) -> str:
