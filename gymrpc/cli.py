@@ -223,6 +223,12 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     return ctl.run(args, _run_dir(args))
 
 
+def cmd_episodes(args: argparse.Namespace) -> int:
+    from gymrpc import episodes
+
+    return episodes.run(args)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from gymrpc.train import command
 
@@ -275,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gymrpc.call import add_arguments as add_call_arguments
     from gymrpc.ctl import add_arguments as add_ctl_arguments
     from gymrpc.demo import add_arguments as add_demo_arguments
+    from gymrpc.episodes import add_arguments as add_episodes_arguments
     from gymrpc.rollouts.command import add_arguments as add_rollouts_arguments
     from gymrpc.top import add_arguments as add_top_arguments
     from gymrpc.train.command import add_arguments as add_train_arguments
@@ -332,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
         "coordinated checkpoints by hand: status, prepare, commit, resume, restore, ...",
         cmd_ctl,
         add_ctl_arguments,
+    )
+    _command(
+        sub,
+        "episodes",
+        "what a durable-resume folder holds: list, show, verify (no stack needed)",
+        cmd_episodes,
+        add_episodes_arguments,
+        stack=False,
     )
     _command(sub, "top", "live view of a running stack from its metrics (`metrics: true`)", cmd_top, add_top_arguments)
     _command(

@@ -45,6 +45,7 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from gymrpc import text
 from gymrpc.client import Client
 from gymrpc.control import gc, store
 from gymrpc.control.index import INDEX, read_index
@@ -317,7 +318,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 member.manifest_sha256[:12],
             )
         )
-    print("\n".join(_table(rows)))
+    print("\n".join(text.table(rows)))
     return EXIT_OK
 
 
@@ -398,12 +399,7 @@ def _status_table(statuses: dict[str, pb.GetStatusResponse]) -> list[str]:
                 " ".join(f"{k}={v}" for k, v in sorted(s.details.items())) or "-",
             )
         )
-    return _table(rows)
-
-
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return text.table(rows)
 
 
 def _prepare_text(checkpoint_id: str, result: PrepareResult) -> list[str]:

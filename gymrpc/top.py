@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gymrpc import rundir
+from gymrpc import rundir, text
 from gymrpc.registry import RegistryClient
 
 SCRAPE_TIMEOUT = 2.0
@@ -164,9 +164,8 @@ def render(run_dir: Path, state: Mapping, rows: list[Row], elapsed: float, now: 
                 checkpoint,
             ]
         table.append((row.name, row.state, str(row.restarts), *cells, row.address))
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = [f"stack {state['state']} in {run_dir} ({len(rows)} servers, launcher {state['launcher']})"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    lines += text.table(table)
     return "\n".join(lines)
 
 

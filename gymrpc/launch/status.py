@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gymrpc import rundir
+from gymrpc import rundir, text
 
 
 def read_state(run_dir: Path) -> dict | None:
@@ -40,9 +40,8 @@ def format_table(
             (*rows[0], "NOTES"),
             *((*r, notes.get(s["name"], "")) for r, s in zip(rows[1:], state["servers"], strict=True)),
         ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         f"stack {state['state']} in {run_dir} (launcher pid {state['launcher_pid']}, registry {state['registry']})"
     ]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines += text.table(rows, indent="  ")
     return "\n".join(lines)

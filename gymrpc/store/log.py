@@ -200,6 +200,10 @@ class LogView:
                 return end
             start, size = end, _VIEW_READ
 
+    def ends(self) -> dict[int, int]:
+        """Each segment read, and the offset its next read starts at (just past its last whole batch)."""
+        return dict(self._read_to)
+
     def read(self, segment: int, offset: int, length: int) -> bytes:
         with open(self.folder / _segment_name(segment), "rb") as f:
             return os.pread(f.fileno(), length, offset)

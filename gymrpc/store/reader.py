@@ -1,48 +1,218 @@
-"""Read one episode's record from a store folder without opening the store (inspection, tests).
+"""A store folder read without opening the store: one episode's record, every episode, every log.
 
-Works on a folder in use: every log is read as it is (an incomplete tail frame is simply
-not read yet), and the highest-version write of the episode wins, as in `LogEpisodeStore`.
-Records written by `FilesystemEpisodeStore` are read too.
+Works on a folder agents are appending to, and changes nothing in it: every log is read as
+`LogView` reads another process's log (a batch not yet acknowledged is not read), and an
+episode's record is its highest-version write in any log, as in `LogEpisodeStore`. Records
+written by `FilesystemEpisodeStore` (root/episodes/*/*.ckpt) are read too. `gymrpc episodes`
+(list, show, verify) is built on it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from gymrpc.store import codec
+from google.protobuf.message import DecodeError
+
+from gymrpc.errors import DataLoss
+from gymrpc.store import codec, frames, ranges
 from gymrpc.store.base import EpisodeCheckpoint
-from gymrpc.store.log import LogView, _corrupt, _record_from
+from gymrpc.store.log import OWNER, LogView, _corrupt, _log_names, _record_from, _segment_name
+
+_READ = 1 << 20
+
+
+@dataclass(slots=True)
+class LogState:
+    """One log of the folder, as read now."""
+
+    name: str
+    view: LogView
+    in_use: bool = False
+    """Its owner (an agent process) is alive and may still append."""
+    segments: int = 0
+    read_bytes: int = 0
+    """Bytes of whole batches read (what the owner has acknowledged); `StoreFolder.measure` sets it."""
+    unread_bytes: int = 0
+    """Non-zero bytes past them: a batch being written now, or one a crash tore (never acknowledged)."""
+
+
+@dataclass(slots=True)
+class Entry:
+    """Where an episode's current write is: a chain of frames in a log, or a file of the files store."""
+
+    rollout_id: str
+    version: int
+    log: LogState | None = None
+    chain: frames.Chain | None = None
+    """None in a log: that write was lost to a damaged region (loads are DATA_LOSS)."""
+    path: Path | None = None
+
+    @property
+    def stored_bytes(self) -> int:
+        if self.path is not None:
+            return _size(self.path)
+        return sum(length for _, _, length in self.chain.frames) if self.chain else 0
+
+    @property
+    def where(self) -> str:
+        return self.log.name if self.log is not None else "files"
+
+
+class StoreFolder:
+    """The logs of a store folder, read once at construction (`refresh` reads what was appended since)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        logs = self.root / "logs"
+        if not logs.is_dir() and not (self.root / "episodes").is_dir():
+            raise FileNotFoundError(f"{self.root} is not an episode store folder (it has no logs/ or episodes/)")
+        self.logs = [LogState(n, LogView(logs / n)) for n in (_log_names(logs) if logs.is_dir() else [])]
+        self.refresh()
+
+    def refresh(self) -> None:
+        for state in self.logs:
+            state.view.refresh()
+            state.in_use = _in_use(state.view.folder)
+
+    def measure(self) -> None:
+        """Each log's segments and bytes, read and unread (reads every log's tail, zeros ahead included)."""
+        for state in self.logs:
+            state.segments, state.read_bytes, state.unread_bytes = _measure(state.view)
+
+    def entry(self, rollout_id: str) -> Entry | None:
+        """The episode's current write, or None if it has none."""
+        best = self._best_in_logs(rollout_id)
+        key = hashlib.sha256(rollout_id.encode()).hexdigest()
+        legacy = self.root / "episodes" / key[:2] / f"{key}.ckpt"
+        if legacy.exists():
+            header = codec.decode_header(_read_head(legacy), legacy)
+            if best is None or header.revision > best.version:
+                return Entry(rollout_id, header.revision, path=legacy)
+        return best
+
+    def entries(self) -> dict[str, Entry]:
+        """Every episode with a write in the folder (deleted ones included: `Entry.chain.deleted`), by id."""
+        found: dict[str, Entry] = {}
+        for state in self.logs:
+            chains, damaged = state.view.index.settled()
+            for rollout_id, chain in chains.items():
+                if rollout_id not in found or chain.version > found[rollout_id].version:
+                    found[rollout_id] = Entry(rollout_id, chain.version, state, chain)
+            for rollout_id, version in damaged.items():
+                if rollout_id not in found or version > found[rollout_id].version:
+                    found[rollout_id] = Entry(rollout_id, version, state)
+        for path in self._legacy_files():
+            try:
+                rollout_id, revision = _legacy_identity(path)
+            except DataLoss:
+                found.setdefault(path.stem, Entry(path.stem, 0, path=path))  # named by its key: load says why
+                continue
+            if rollout_id not in found or revision > found[rollout_id].version:
+                found[rollout_id] = Entry(rollout_id, revision, path=path)
+        return found
+
+    def load(self, entry: Entry) -> EpisodeCheckpoint | None:
+        """The record `entry` holds (None: deleted); DATA_LOSS, saying why, if it cannot be read back."""
+        if entry.path is not None:
+            data = _read_head(entry.path, codec.HEADER_SIZE + codec.MAX_RECORD_BYTES + 1)
+            return codec.decode(data, entry.path, entry.rollout_id)
+        assert entry.log is not None
+        view = entry.log.view
+        if entry.chain is None:
+            problem = f"write {entry.version} was lost to a damaged log region"
+            raise _corrupt(str(view.folder), entry.rollout_id, problem)
+        if entry.chain.deleted:
+            return None
+        try:
+            return _record_from(entry.chain, view.read, str(view.folder), entry.rollout_id)[0]
+        except FileNotFoundError:  # its owner compacted the log meanwhile: read it again
+            self.refresh()
+            fresh = self.entry(entry.rollout_id)
+            return None if fresh is None else self.load(fresh)
+
+    def _best_in_logs(self, rollout_id: str) -> Entry | None:
+        best: Entry | None = None
+        for state in self.logs:
+            chains, damaged = state.view.index.settled()
+            chain = chains.get(rollout_id)
+            if chain is not None and (best is None or chain.version > best.version):
+                best = Entry(rollout_id, chain.version, state, chain)
+            version = damaged.get(rollout_id, 0)
+            if version and (best is None or version > best.version):
+                best = Entry(rollout_id, version, state)
+        return best
+
+    def _legacy_files(self) -> Iterator[Path]:
+        episodes = self.root / "episodes"
+        for shard in sorted(episodes.iterdir()) if episodes.is_dir() else []:
+            if shard.is_dir():
+                yield from sorted(p for p in shard.iterdir() if p.suffix == ".ckpt")
 
 
 def read_record(root: str | Path, rollout_id: str) -> EpisodeCheckpoint | None:
     """The episode's current record in the store folder `root`, or None; DATA_LOSS if it was damaged."""
     root = Path(root)
-    best_version, best = 0, None
-    logs = root / "logs"
-    names = sorted(n for n in os.listdir(logs) if not n.startswith((".", "!"))) if logs.is_dir() else []
-    for name in names:
-        view = LogView(logs / name)
-        view.refresh()
-        chains, damaged = view.index.settled()
-        chain = chains.get(rollout_id)
-        if chain is not None and chain.version > best_version:
-            best_version, best = chain.version, (view, chain)
-        if damaged.get(rollout_id, 0) > best_version:
-            best_version, best = damaged[rollout_id], (view, None)
-    key = hashlib.sha256(rollout_id.encode()).hexdigest()
-    legacy = root / "episodes" / key[:2] / f"{key}.ckpt"
-    if legacy.exists():
-        data = legacy.read_bytes()
-        header = codec.decode_header(data, legacy)
-        if header.revision > best_version:
-            return codec.decode(data, legacy, rollout_id)
-    if best is None:
+    if not (root / "logs").is_dir() and not (root / "episodes").is_dir():
         return None
-    view, chain = best
-    if chain is None:
-        raise _corrupt(str(view.folder), rollout_id, f"write {best_version} was lost to a damaged log region")
-    if chain.deleted:
-        return None
-    return _record_from(chain, view.read, str(view.folder), rollout_id)[0]
+    folder = StoreFolder(root)
+    entry = folder.entry(rollout_id)
+    return None if entry is None else folder.load(entry)
+
+
+def _in_use(folder: Path) -> bool:
+    try:
+        fd = os.open(folder / OWNER, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return ranges.held_elsewhere(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def _measure(view: LogView) -> tuple[int, int, int]:
+    """Segments, bytes the view read, and non-zero bytes past them (read a chunk at a time)."""
+    segments = read = unread = 0
+    for seq, end in sorted(view.ends().items()):
+        segments += 1
+        read += end
+        try:
+            with open(view.folder / _segment_name(seq), "rb") as f:
+                while chunk := os.pread(f.fileno(), _READ, end):
+                    unread += len(chunk) - chunk.count(0)
+                    end += len(chunk)
+        except FileNotFoundError:
+            continue
+    return segments, read, unread
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _read_head(path: Path, limit: int = codec.HEADER_SIZE) -> bytes:
+    """At most `limit` bytes of the file: a record file is never read past what its format allows."""
+    with open(path, "rb") as f:
+        return f.read(limit)
+
+
+def _legacy_identity(path: Path) -> tuple[str, int]:
+    """The rollout id and revision of a files-store record, checked against the file's name (its id's hash)."""
+    data = _read_head(path, codec.HEADER_SIZE + codec.MAX_RECORD_BYTES + 1)
+    header = codec.decode_header(data, path)
+    record = EpisodeCheckpoint()
+    try:
+        record.ParseFromString(data[codec.HEADER_SIZE :])
+    except DecodeError as exc:
+        raise codec.corrupt(path, f"payload does not parse: {exc}") from None
+    rollout_id = record.episode_id.rollout_id
+    if hashlib.sha256(rollout_id.encode()).hexdigest() != path.stem:
+        raise codec.corrupt(path, f"it holds episode {rollout_id!r}, whose file has another name")
+    return rollout_id, header.revision

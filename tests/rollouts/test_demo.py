@@ -49,6 +49,27 @@ def test_demo_completes_every_episode_despite_the_kill(run_dir: Path) -> None:
     }
     state = json.loads((run_dir / "stack.json").read_text())
     assert state["state"] == "stopped"
+    _readme_episodes_commands_read_the_demos_folder(run_dir)
+
+
+def _readme_episodes_commands_read_the_demos_folder(run_dir: Path) -> None:
+    """The README's `gymrpc episodes` block, as written, on the folder of the agent the demo SIGKILLed."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("After `bash scripts/demo.sh`:\n\n```bash\n", 1)[1].split("```", 1)[0]
+    outputs = []
+    for line in block.splitlines():
+        argv = line.replace(".gymrpc/demo", str(run_dir)).split()
+        assert argv[:2] == ["gymrpc", "episodes"], line
+        done = subprocess.run(
+            [sys.executable, "-m", "gymrpc.cli", *argv[1:]], capture_output=True, text=True, cwd=ROOT, timeout=60
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        outputs.append(done.stdout)
+    listed, verified = outputs
+    folder = run_dir / "episodes" / "agent-counter"
+    assert listed.startswith(f"20 episodes in {folder}: 20 completed, 0 in progress, 0 damaged, 0 expired ")
+    assert verified.splitlines()[-1].startswith("20 episodes in ")
+    assert verified.splitlines()[-1].endswith(" read back and checked: OK")
 
 
 def test_demo_refuses_a_folder_it_did_not_make(run_dir: Path) -> None:
