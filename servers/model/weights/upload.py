@@ -57,9 +57,10 @@ async def receive(
     staging_root: Path,
     max_total_bytes: int,
 ) -> Path:
-    """Write the uploaded files into a new folder under `staging_root`; the caller removes it."""
+    """Write the uploaded files into a new folder under `staging_root` (the server's private folder, which
+    exists); the caller removes it."""
     check_header(header, max_total_bytes)
-    folder = await asyncio.to_thread(_staging_folder, staging_root)
+    folder = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="upload-", dir=staging_root))
     try:
         await _write(header, chunks, folder)
     except BaseException:
@@ -122,11 +123,6 @@ async def _write(header: pb.UploadWeightsHeader, chunks: AsyncIterator[pb.Upload
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _staging_folder(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return Path(tempfile.mkdtemp(prefix="upload-", dir=root))
 
 
 def _create(folder: Path, name: str):
