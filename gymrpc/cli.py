@@ -1,4 +1,4 @@
-"""The `gymrpc` command: `up`, `status`, `down`, `rollouts`, `demo`, `call` (later issues add more subcommands)."""
+"""The `gymrpc` command: up, status, down, rollouts, report, demo, call, ctl, episodes, top, train."""
 
 from __future__ import annotations
 
