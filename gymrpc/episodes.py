@@ -1,7 +1,8 @@
 """`gymrpc episodes`: what a durable-resume folder (an agent's `--resume-dir`) holds, read without a stack.
 
     gymrpc episodes list DIR [--state S] [--json]   every episode: state, step, revision, bytes, last save
-    gymrpc episodes show DIR ID [--json]            one episode's record
+    gymrpc episodes show DIR ID [--messages N]      one episode's record, its conversation's last N messages
+    gymrpc episodes show DIR ID --json              all of the record
     gymrpc episodes verify DIR [--json]             every log and every record read back as an agent would
 
 It changes nothing and is safe while agents run on the folder: it reads each log as another
@@ -31,10 +32,13 @@ from gymrpc.servers.agent import checkpoint
 from gymrpc.store.base import EpisodeCheckpoint
 from gymrpc.store.reader import Entry, StoreFolder
 from gymrpc.v1 import agent_service_pb2 as agent_pb
+from gymrpc.v1 import common_pb2
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 STATES = ("completed", "in-progress", "damaged", "expired", "deleted")
 """`expired`: past its `--completed-ttl`; an agent treats it as gone (and deletes it when it next meets it)."""
+_LINE = 160
+"""Characters of a message `show` prints."""
 _SHOW_PROGRESS_FROM = 500
 """Records read before a progress bar is worth drawing (a few thousand are read per second)."""
 
@@ -51,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     show.add_argument("dir", metavar="DIR", help="the agent's --resume-dir")
     show.add_argument("rollout_id", metavar="ID", help="the episode's rollout id")
     show.add_argument("--json", action="store_true", help="the whole record as JSON (proto field names)")
+    show.add_argument(
+        "--messages",
+        type=_count,
+        default=3,
+        metavar="N",
+        help="the conversation's last N messages, each cut to a line (default 3; 0: none)",
+    )
     verify = sub.add_parser("verify", help="read every log and record back; exit 1 if anything is damaged")
     verify.add_argument("dir", metavar="DIR", help="the agent's --resume-dir")
     verify.add_argument("--json", action="store_true", help="the report as one JSON object")
@@ -194,6 +205,11 @@ def _show(args: argparse.Namespace, folder: StoreFolder) -> int:
             lines.append(
                 f"  session {record.session_id}: snapshot {snapshot.format_name}, {text.size(snapshot.ByteSize())}"
             )
+    messages = record.final_result.messages if record.HasField("final_result") else record.messages
+    shown = messages[len(messages) - min(args.messages, len(messages)) :]
+    if shown:
+        lines.append(f"  the last {text.count(len(shown), 'message')} of {len(messages)}:")
+        lines += [f"    {_message_line(m)}" for m in shown]
     print("\n".join(lines))
     return EXIT_OK
 
@@ -273,6 +289,21 @@ class _Reading(Progress):
         filled = round(width * self.done / self.total)
         rate = self.done / max(time.monotonic() - self.started, 1e-9)
         return f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} episodes, {rate:.0f}/s"
+
+
+def _message_line(message: common_pb2.Message) -> str:
+    """A message as one line: its role, its tool calls by name, its text with newlines shown as ⏎."""
+    role = common_pb2.Role.Name(message.role).removeprefix("ROLE_").lower()
+    parts = [message.content, *(f"{c.name}({c.arguments_json})" for c in message.tool_calls)]
+    body = " ".join(p for p in parts if p).replace("\n", "⏎ ")
+    return f"{role}: {body[:_LINE]}…" if len(body) > _LINE else f"{role}: {body}"
+
+
+def _count(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
 
 
 def _phase(phase: int) -> str:

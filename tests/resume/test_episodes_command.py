@@ -81,6 +81,11 @@ def test_list_show_and_verify_read_both_logs_and_change_nothing(folder: Path, ca
     assert out.startswith("episode cut (attempt 0): in-progress, phase ready_for_tool")
     assert "1 tool call, 1 pending" in out
     assert "snapshot " in out
+    conversation = out.split("  the last 3 messages of ", 1)[1].splitlines()
+    assert [line.split(":")[0].strip() for line in conversation[1:]] == ["user", "assistant", "tool"]
+    assert conversation[2] == '    assistant: increment_counter({"count": 4}) increment_counter({"count": 5})'
+    code, out, _ = _run(capsys, "show", str(folder), "cut", "--messages", "0")
+    assert "the last" not in out
 
     code, out, _ = _run(capsys, "show", str(folder), "done-1", "--json")
     shown = json.loads(out)
