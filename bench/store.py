@@ -139,6 +139,9 @@ class HarnessStore(EpisodeStore):
     async def archive(self, lease: EpisodeLease, reason: str) -> str | None:
         return None
 
+    async def delete(self, lease: EpisodeLease) -> bool:
+        return False
+
     async def delete_expired(self, now: float | None = None) -> int:
         return 0
 

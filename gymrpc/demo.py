@@ -259,6 +259,8 @@ async def _demo(run_dir: Path, args: argparse.Namespace) -> int:
         stopping = time.perf_counter()
         await launcher.stop()
     say(f"stopped the stack in {time.perf_counter() - stopping:.1f} s; logs in {_short(run_dir / rundir.LOG_DIR)}")
+    folders = ", ".join(_short(_resume_dir(run_dir, s.name)) for s in spec.servers if s.role == "agent")
+    say(f"the agents' checkpoints (read them with `gymrpc episodes list DIR`): {folders}")
     complete = not summary.failed and len(summary.results) == total
     lost = [k.name for k in kills if not k.restarted.is_set()]
     if complete and not lost:

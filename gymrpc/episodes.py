@@ -4,37 +4,49 @@
     gymrpc episodes show DIR ID [--messages N]      one episode's record, its conversation's last N messages
     gymrpc episodes show DIR ID --json              all of the record
     gymrpc episodes verify DIR [--json]             every log and every record read back as an agent would
+    gymrpc episodes delete DIR ID ... [--no-archive]
+                                                    let episodes start over (a damaged one too)
 
-It changes nothing and is safe while agents run on the folder: it reads each log as another
-agent would (gymrpc/store/reader.py), so a batch being written is not read yet. `verify`
-reads every frame's checksum and rebuilds every episode's record through its deltas, then
-checks it as the agent does before it resumes one; whatever an agent would answer DATA_LOSS
-for, `verify` names first.
+`list`, `show` and `verify` change nothing and are safe while agents run on the folder: they
+read each log as another agent would (gymrpc/store/reader.py), so a batch being written is not
+read yet. `verify` reads every frame's checksum and rebuilds every episode's record through its
+deltas, then checks it as the agent does before it resumes one; whatever an agent would answer
+DATA_LOSS for, `verify` names first. `delete` writes, as an agent would: under each episode's
+lease (refused while an agent runs the episode), a copy of a readable record kept in DIR/archive
+first, then a deletion newer than any write of the episode, so its next `Run` starts over.
 
-Exit codes: 0 done (verify: nothing damaged); 1 damage found (verify), or the episode is not
-in the folder or cannot be read (show); 2 bad command line, or DIR is not a store folder.
+Exit codes: 0 done (verify: nothing damaged); 1 an episode cannot be resumed (verify), the
+episode is not in the folder or cannot be read (show), or an episode could not be deleted
+(delete); 2 bad command line, or DIR is not a store folder; 3 (verify) damaged log regions
+but every episode reads back: the damage held no record still current (a disk to watch), and
+it stays until its log is compacted.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 
 from gymrpc import text
-from gymrpc.errors import GymrpcError
+from gymrpc.errors import DataLoss, GymrpcError
 from gymrpc.rollouts.report import Progress
 from gymrpc.servers.agent import checkpoint
-from gymrpc.store.base import EpisodeCheckpoint
+from gymrpc.store import FilesystemEpisodeStore, LogEpisodeStore
+from gymrpc.store.base import EpisodeCheckpoint, EpisodeStore
 from gymrpc.store.reader import Entry, StoreFolder
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DAMAGED_REGIONS = 0, 1, 2, 3
+ARCHIVE_REASON = "deleted"
 STATES = ("completed", "in-progress", "damaged", "expired", "deleted")
 """`expired`: past its `--completed-ttl`; an agent treats it as gone (and deletes it when it next meets it)."""
 _LINE = 160
@@ -65,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verify = sub.add_parser("verify", help="read every log and record back; exit 1 if anything is damaged")
     verify.add_argument("dir", metavar="DIR", help="the agent's --resume-dir")
     verify.add_argument("--json", action="store_true", help="the report as one JSON object")
+    delete = sub.add_parser("delete", help="let episodes start over: delete their records (a damaged one too)")
+    delete.add_argument("dir", metavar="DIR", help="the agent's --resume-dir")
+    delete.add_argument("rollout_ids", nargs="+", metavar="ID", help="the episodes' rollout ids")
+    delete.add_argument(
+        "--no-archive", action="store_true", help="keep no copy of a readable record (default: one in DIR/archive)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"gymrpc episodes: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return {"list": _list, "show": _show, "verify": _verify}[args.episodes_command](args, folder)
+    commands = {"list": _list, "show": _show, "verify": _verify, "delete": _delete}
+    return commands[args.episodes_command](args, folder)
 
 
 def summary(entry: Entry, record: EpisodeCheckpoint | None, problem: str | None) -> dict[str, Any]:
@@ -232,7 +251,9 @@ def _verify(args: argparse.Namespace, folder: StoreFolder) -> int:
         )
     damaged = [e for e in episodes if e["state"] == "damaged"]
     live = len(episodes) - sum(e["state"] == "deleted" for e in episodes)
-    ok = not damaged and not any(log["damaged_regions"] for log in logs)
+    regions = sum(len(log["damaged_regions"]) for log in logs)
+    code = EXIT_FAILED if damaged else EXIT_DAMAGED_REGIONS if regions else EXIT_OK
+    ok = code == EXIT_OK
     if args.json:
         report = {
             "dir": args.dir,
@@ -242,7 +263,7 @@ def _verify(args: argparse.Namespace, folder: StoreFolder) -> int:
             "damaged_episodes": [{"rollout_id": e["rollout_id"], "problem": e["problem"]} for e in damaged],
         }
         print(json.dumps(report, indent=2))
-        return EXIT_OK if ok else EXIT_FAILED
+        return code
     for log in logs:
         owner = "in use by an agent" if log["in_use"] else "idle"
         line = f"log {log['name']} ({owner}): {text.count(log['segments'], 'segment')}, {text.size(log['bytes'])} read"
@@ -257,9 +278,51 @@ def _verify(args: argparse.Namespace, folder: StoreFolder) -> int:
             )
     for episode in damaged:
         print(f"DAMAGED: {episode['problem']}")
-    verdict = "OK" if ok else f"DAMAGED ({text.count(len(damaged), 'episode')} cannot be resumed)"
+    if damaged:
+        verdict = f"DAMAGED ({text.count(len(damaged), 'episode')} cannot be resumed)"
+    elif regions:
+        verdict = f"every episode reads back, but {text.count(regions, 'log region')} failed its checksums"
+    else:
+        verdict = "OK"
     print(f"{text.count(live, 'episode')} in {text.count(len(logs), 'log')} read back and checked: {verdict}")
-    return EXIT_OK if ok else EXIT_FAILED
+    if damaged:
+        ids = " ".join(e["rollout_id"] for e in damaged)
+        print(f"to let them start over: gymrpc episodes delete {args.dir} {ids}")
+    return code
+
+
+def _delete(args: argparse.Namespace, folder: StoreFolder) -> int:
+    return asyncio.run(_delete_all(folder.root, args.rollout_ids, archive=not args.no_archive))
+
+
+async def _delete_all(root: Path, rollout_ids: list[str], *, archive: bool) -> int:
+    """Each episode under its lease: a copy of its record archived (if readable), then deleted."""
+    store: EpisodeStore
+    if (root / "logs").is_dir():
+        store = LogEpisodeStore(root, commit_delay=0, zero_ahead=0)  # a few writes: no batching, no zeros
+    else:
+        store = FilesystemEpisodeStore(root)
+    failed = 0
+    try:
+        for rollout_id in rollout_ids:
+            try:
+                async with store.lease(rollout_id) as lease:
+                    kept = None
+                    if archive:
+                        with contextlib.suppress(DataLoss):  # damaged: nothing readable to keep
+                            kept = await store.archive(lease, ARCHIVE_REASON)
+                    deleted = await store.delete(lease)
+            except GymrpcError as exc:
+                failed += 1
+                print(f"gymrpc episodes: {rollout_id}: {exc.message}", file=sys.stderr)
+                continue
+            if deleted:
+                print(f"deleted {rollout_id}" + (f"; its record is kept in {kept}" if kept else ""))
+            else:
+                print(f"{rollout_id}: nothing stored")
+    finally:
+        await store.close()
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _read(folder: StoreFolder, entry: Entry) -> tuple[EpisodeCheckpoint | None, str | None]:

@@ -105,6 +105,14 @@ class EpisodeStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def delete(self, lease: EpisodeLease) -> bool:
+        """Delete the stored record, durably, so the episode's next run starts over; False if there was none.
+
+        A damaged record is deleted too: this is how one episode that answers DATA_LOSS is let go
+        without touching the others (`gymrpc episodes delete`).
+        """
+
+    @abc.abstractmethod
     async def delete_expired(self, now: float | None = None) -> int:
         """Delete completed records whose TTL has passed (skipping leased ones); how many were deleted."""
 

@@ -199,6 +199,13 @@ class FilesystemEpisodeStore(EpisodeStore):
         log.info("episode record archived", extra={"rollout_id": held.rollout_id, "reason": reason})
         return str(target)
 
+    async def delete(self, lease: EpisodeLease) -> bool:
+        held = self._check(lease)
+        if not await self._io(_remove_durably, held.paths.record):
+            return False
+        log.info("episode record deleted", extra={"rollout_id": held.rollout_id})
+        return True
+
     async def delete_expired(self, now: float | None = None) -> int:
         cutoff = time.time_ns() if now is None else int(now * 1e9)
         counts = await asyncio.gather(*(self._io(_sweep, self.episodes / f"{i:02x}", cutoff) for i in range(256)))
@@ -254,6 +261,15 @@ def _read(path: Path | str) -> bytes | None:
 def _unlink(path: Path | str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _remove_durably(path: Path) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_folder(path.parent)
+    return True
 
 
 def _read_header(path: Path | str) -> codec.Header | None:

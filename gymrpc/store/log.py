@@ -110,9 +110,12 @@ def _segments(folder: Path) -> list[int]:
 
 
 def _corrupt(where: str, rollout_id: str, problem: str) -> DataLoss:
+    """`where`: a log folder (root/logs/<log id>); the message names the command that lets the episode go."""
+    root = Path(where).parent.parent
     return DataLoss(
-        f"the checkpoint of episode {rollout_id!r} in {where} is corrupt ({problem}); nothing was changed. Move "
-        "the store folder away (or restore it from a backup) to let the episode start over",
+        f"the checkpoint of episode {rollout_id!r} in {where} is corrupt ({problem}); nothing was changed. "
+        f"`gymrpc episodes delete {root} {rollout_id}` lets the episode start over (or restore the folder from a "
+        "backup)",
         metadata={"path": where, "rollout_id": rollout_id},
     )
 
@@ -809,6 +812,16 @@ class LogEpisodeStore(EpisodeStore):
         if held.source.legacy is not None:
             await self._io(_unlink, held.source.legacy)
         held.source, held.base = _Source(version, 0, self.index.chains.get(held.rollout_id)), None
+
+    async def delete(self, lease: EpisodeLease) -> bool:
+        held = self._check(lease)
+        _check_idle(held)
+        source = held.source
+        if not source.damaged and source.legacy is None and (source.chain is None or source.chain.deleted):
+            return False
+        await self._delete(held)  # newer than the lost write too: a damaged episode's next run starts over
+        log.info("episode record deleted", extra={"rollout_id": held.rollout_id})
+        return True
 
     async def archive(self, lease: EpisodeLease, reason: str) -> str | None:
         held = self._check(lease)

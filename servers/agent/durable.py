@@ -242,6 +242,13 @@ class DurableEpisodes:
                 else:
                     saving = await self.store.begin_save(lease, record)
             except GymrpcError as err:
+                if recovery < SESSION_RECOVERIES and phase is Phase.NEW and _seeded_before(err):
+                    # A session of this id outlived the record that would have resumed it (the record
+                    # was deleted, say by `gymrpc episodes delete`): no saved boundary is its state, so
+                    # it goes, and the episode is seeded afresh.
+                    log.warning("a session left by an earlier run is discarded", extra={"episode": state.label})
+                    await self._discard_session(state)
+                    continue
                 if recovery == SESSION_RECOVERIES or not _session_lost(err, state):
                     raise
                 log.warning(
@@ -257,6 +264,10 @@ class DurableEpisodes:
                 self._crash_point(phase, state)
             return message, saving
         raise AssertionError("unreachable")
+
+    async def _discard_session(self, state: EpisodeState) -> None:
+        request = resources_pb.DiscardSessionRequest(session_id=state.session_id, episode_id=state.episode_id)
+        await self.loop.call_resources("DiscardSession", request)
 
     async def _snapshot(self, state: EpisodeState) -> common_pb2.SessionSnapshot:
         """The session's state after the transition: the one its reply carried, else a `CheckpointSession`
@@ -286,6 +297,11 @@ class DurableEpisodes:
         elif phase is Phase.READY_FOR_TOOL:
             kind = "after_turn" if state.text_turns else "after_tool"
             self.crash.at(kind, state.step - 1 if state.text_turns else len(state.tool_calls) - 1)
+
+
+def _seeded_before(err: GymrpcError) -> bool:
+    """The seed found the session seeded and changed since: it has no state right after a seed to give."""
+    return isinstance(err, FailedPrecondition) and err.metadata.get("call") == "seed"
 
 
 def _session_lost(err: GymrpcError, state: EpisodeState) -> bool:

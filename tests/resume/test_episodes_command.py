@@ -1,16 +1,19 @@
-"""`gymrpc episodes list | show | verify` on a folder real agents wrote, one of them SIGKILLed mid-episode.
+"""`gymrpc episodes list | show | verify | delete` on a folder real agents wrote, one of them SIGKILLed mid-episode.
 
 Two agents share one resume folder (two logs): one completes two episodes and stays up, the
 other kills itself right after a durable boundary and is not restarted, leaving its episode in
-progress. The commands must read both logs as an agent would, change nothing, and name damage
-that a resume would answer DATA_LOSS for.
+progress. The reading commands must read both logs as an agent would, change nothing, and name
+damage that a resume would answer DATA_LOSS for; `delete` must let such an episode start over
+on the agent still up, and refuse one an agent holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ import pytest
 
 from gymrpc.cli import main
 from gymrpc.client import Client
-from gymrpc.store import FilesystemEpisodeStore, LogEpisodeStore, frames
+from gymrpc.store import FilesystemEpisodeStore, LogEpisodeStore, frames, ranges
 from gymrpc.store.reader import StoreFolder
 from tests.resume.helpers import POLICY, agent, crash_env, files, stack, task
 
@@ -97,7 +100,9 @@ def test_list_show_and_verify_read_both_logs_and_change_nothing(folder: Path, ca
     assert files(folder) == before
 
 
-def test_verify_names_an_episode_a_flipped_byte_made_unreadable(folder: Path, capsys: Any) -> None:
+def test_verify_names_an_episode_a_flipped_byte_made_unreadable_and_delete_lets_it_start_over(
+    folder: Path, run_dir: Path, capsys: Any
+) -> None:
     view = next(s for s in StoreFolder(folder).logs if not s.in_use)
     chain = view.view.index.chains["cut"]
     segment, offset, length = chain.frames[-1]
@@ -107,11 +112,13 @@ def test_verify_names_an_episode_a_flipped_byte_made_unreadable(folder: Path, ca
     path.write_bytes(bytes(data))
 
     code, out, _ = _run(capsys, "verify", str(folder))
+    printed = out.splitlines()[-1]
     assert code == 1
     assert f"DAMAGED: segment {segment} bytes {offset}-" in out
     assert "the checkpoint of episode 'cut'" in out
     assert "lost to a damaged log region" in out
-    assert out.splitlines()[-1] == "3 episodes in 2 logs read back and checked: DAMAGED (1 episode cannot be resumed)"
+    assert out.splitlines()[-2] == "3 episodes in 2 logs read back and checked: DAMAGED (1 episode cannot be resumed)"
+    assert out.splitlines()[-1] == f"to let them start over: gymrpc episodes delete {folder} cut"
 
     code, out, _ = _run(capsys, "verify", str(folder), "--json")
     report = json.loads(out)
@@ -122,6 +129,57 @@ def test_verify_names_an_episode_a_flipped_byte_made_unreadable(folder: Path, ca
     assert "lost to a damaged log region" in err
     code, out, _ = _run(capsys, "list", str(folder), "--state", "damaged")
     assert out.splitlines()[1].split()[:3] == ["cut", "-", "damaged"]  # nothing of its record is known
+
+    # The command verify printed, as printed: the episode is let go, nothing readable was left to keep.
+    command = shlex.split(printed.split(": ", 1)[1])
+    assert command[:2] == ["gymrpc", "episodes"]
+    code, out, _ = _run(capsys, *command[2:])
+    assert (code, out) == (0, "deleted cut\n")
+    code, out, _ = _run(capsys, "verify", str(folder))
+    assert code == 3  # the flipped byte is still on the disk, but it holds nothing current now
+    assert out.splitlines()[-1].endswith("every episode reads back, but 1 log region failed its checksums")
+    code, out, _ = _run(capsys, "list", str(folder), "--json", "--state", "deleted")
+    assert [json.loads(line)["rollout_id"] for line in out.splitlines()] == ["cut"]
+
+    async def again() -> Any:  # the agent still up on the folder runs the episode afresh
+        async with Client(run_dir=run_dir) as client:
+            return await client.run(task(1), episode_id="cut", policy_version=POLICY, agent="agent/plain")
+
+    result = asyncio.run(again())
+    assert (result.reward, result.resume_count) == (1.0, 0)
+    code, out, _ = _run(capsys, "list", str(folder), "--json")
+    assert {r["rollout_id"]: r["state"] for r in map(json.loads, out.splitlines())}["cut"] == "completed"
+
+
+def test_delete_keeps_a_copy_and_refuses_an_episode_in_use(folder: Path, capsys: Any) -> None:
+    held = ranges.RangeLocks(folder / ranges.FOLDER)  # another holder of done-0's lease, as a running agent is
+    try:
+        assert held.take(ranges.slot(hashlib.sha256(b"done-0").hexdigest()))
+        code, out, err = _run(capsys, "delete", str(folder), "done-0", "done-1", "never-run")
+    finally:
+        held.close()
+    assert code == 1
+    assert "gymrpc episodes: done-0: episode 'done-0' is being run by another call" in err
+    kept = out.splitlines()[0].split("; its record is kept in ")[1]
+    assert out.splitlines() == [f"deleted done-1; its record is kept in {kept}", "never-run: nothing stored"]
+    assert Path(kept).parent == folder / "archive"
+    assert Path(kept).name.endswith(".deleted.ckpt")
+    code, out, _ = _run(capsys, "list", str(folder), "--json")
+    assert {json.loads(line)["rollout_id"] for line in out.splitlines()} == {"done-0", "cut"}
+
+
+def test_delete_in_a_folder_of_the_files_store(tmp_path: Path, capsys: Any) -> None:
+    async def write() -> None:
+        store = FilesystemEpisodeStore(tmp_path)
+        await _save_new(store, "ep-f")
+        await store.close()
+
+    asyncio.run(write())
+    code, out, _ = _run(capsys, "delete", str(tmp_path), "ep-f", "--no-archive")
+    assert (code, out) == (0, "deleted ep-f\n")
+    assert not list((tmp_path / "episodes").rglob("*.ckpt"))
+    assert not list((tmp_path / "archive").iterdir())
+    assert not (tmp_path / "logs").exists()  # deleted by the folder's own store: no log made in it
 
 
 def test_a_torn_tail_is_reported_not_counted_as_damage(tmp_path: Path, capsys: Any) -> None:
