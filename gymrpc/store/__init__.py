@@ -1,7 +1,7 @@
 """Durable episode checkpoints for per-episode resume (docs/design.md §6).
 
 `EpisodeStore` is the narrow interface the agent uses (lease, load, save with a revision
-guard, archive, TTL expiry). `LogEpisodeStore` (the agent's default) appends every save to
+guard, archive, delete, TTL expiry). `LogEpisodeStore` (the agent's default) appends every save to
 one group-committed log per process, one fsync per batch, and a boundary's frame holds only
 the fields that changed; `FilesystemEpisodeStore` keeps one atomically replaced file per
 episode, written through a `GroupCommitter` that batches fsyncs across episodes. Both
