@@ -42,6 +42,9 @@ class Sample:
     episodes_resumed: float = 0.0
     last_commit: float = 0.0
     phase: str = ""
+    store_saves: float | None = None
+    """Records an agent's durable episode store (`resume_dir`) made durable; None: no such store."""
+    store_batches: float = 0.0
 
 
 def parse_metrics(text: str) -> Sample:
@@ -63,6 +66,10 @@ def parse_metrics(text: str) -> Sample:
                 sample.last_commit = max(sample.last_commit, s.value)
             elif s.name == "gymrpc_checkpoint_phase" and s.value == 1:
                 sample.phase = s.labels["phase"]
+            elif s.name == "gymrpc_store_records_written_total":
+                sample.store_saves = (sample.store_saves or 0.0) + s.value
+            elif s.name == "gymrpc_store_group_commits_total":
+                sample.store_batches += s.value
     return sample
 
 
@@ -155,6 +162,8 @@ def render(run_dir: Path, state: Mapping, rows: list[Row], elapsed: float, now: 
             checkpoint = a.phase or "-"
             if a.last_commit:
                 checkpoint += f", committed {max(0.0, now - a.last_commit):.0f}s ago"
+            elif a.store_saves is not None:
+                checkpoint = _durable(b, a, elapsed)
             cells = [
                 f"{a.episodes_inflight:.0f}",
                 f"{a.episodes_finished:.0f}",
@@ -167,6 +176,15 @@ def render(run_dir: Path, state: Mapping, rows: list[Row], elapsed: float, now: 
     lines = [f"stack {state['state']} in {run_dir} ({len(rows)} servers, launcher {state['launcher']})"]
     lines += text.table(table)
     return "\n".join(lines)
+
+
+def _durable(before: Sample | None, after: Sample, elapsed: float) -> str:
+    """An agent's own durable store (it is no checkpoint participant): its saves per second, and per sync."""
+    if before is None or before.store_saves is None or after.store_saves is None or elapsed <= 0:
+        return "durable"
+    saves, batches = after.store_saves - before.store_saves, after.store_batches - before.store_batches
+    per_sync = f", {saves / batches:.1f} per sync" if batches > 0 else ""
+    return f"durable, {saves / elapsed:.0f} saves/s{per_sync}"
 
 
 def _duration(seconds: float) -> str:

@@ -226,3 +226,15 @@ def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: An
     calls = "gymrpc_rpc_duration_seconds_count"
     assert total(resources, calls, method="/gymrpc.v1.ResourcesService/CallTool") >= 3
     assert total(resources, calls, method="/gymrpc.v1.ResourcesService/CheckpointSession") == 0
+    top = subprocess.run(
+        [sys.executable, "-m", "gymrpc.cli", "--run-dir", str(run_dir), "top", "--once", "--interval", "0.2"],
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert top.returncode == 0, top.stderr
+    rows = {line.split()[0]: line for line in top.stdout.splitlines()[2:]}
+    assert "durable, 0 saves/s" in rows["agent/durable"], top.stdout  # its own store, idle once the runs ended
+    assert "durable" not in rows["model/policy"], top.stdout
