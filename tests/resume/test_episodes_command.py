@@ -22,6 +22,7 @@ import pytest
 
 from gymrpc.cli import main
 from gymrpc.client import Client
+from gymrpc.errors import DataLoss
 from gymrpc.store import FilesystemEpisodeStore, LogEpisodeStore, frames, ranges
 from gymrpc.store.reader import StoreFolder
 from tests.resume.helpers import POLICY, agent, crash_env, files, stack, task
@@ -127,6 +128,14 @@ def test_verify_names_an_episode_a_flipped_byte_made_unreadable_and_delete_lets_
     code, out, err = _run(capsys, "show", str(folder), "cut")
     assert code == 1
     assert "lost to a damaged log region" in err
+
+    async def run_cut() -> Any:
+        async with Client(run_dir=run_dir) as client:
+            return await client.run(task(1), episode_id="cut", policy_version=POLICY, agent="agent/plain")
+
+    with pytest.raises(DataLoss) as refused:  # what a trainer's retry meets: the way out is in the message
+        asyncio.run(run_cut())
+    assert f"`gymrpc episodes delete {folder} cut` lets the episode start over" in refused.value.message
     code, out, _ = _run(capsys, "list", str(folder), "--state", "damaged")
     assert out.splitlines()[1].split()[:3] == ["cut", "-", "damaged"]  # nothing of its record is known
 
@@ -141,11 +150,7 @@ def test_verify_names_an_episode_a_flipped_byte_made_unreadable_and_delete_lets_
     code, out, _ = _run(capsys, "list", str(folder), "--json", "--state", "deleted")
     assert [json.loads(line)["rollout_id"] for line in out.splitlines()] == ["cut"]
 
-    async def again() -> Any:  # the agent still up on the folder runs the episode afresh
-        async with Client(run_dir=run_dir) as client:
-            return await client.run(task(1), episode_id="cut", policy_version=POLICY, agent="agent/plain")
-
-    result = asyncio.run(again())
+    result = asyncio.run(run_cut())  # the agent still up on the folder runs the episode afresh
     assert (result.reward, result.resume_count) == (1.0, 0)
     code, out, _ = _run(capsys, "list", str(folder), "--json")
     assert {r["rollout_id"]: r["state"] for r in map(json.loads, out.splitlines())}["cut"] == "completed"
