@@ -77,6 +77,14 @@ def metrics_urls(run_dir: Path) -> dict[str, str]:
     return asyncio.run(go())
 
 
+def top(run_dir: Path) -> str:
+    """One frame of `gymrpc top`, as a user runs it."""
+    command = [sys.executable, "-m", "gymrpc.cli", "--run-dir", str(run_dir), "top", "--once", "--interval", "0.2"]
+    done = subprocess.run(command, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_the_documented_stack_serves_metrics_from_every_server() -> None:
     block = re.search(r"```yaml\n(.*?)```", (ROOT / "docs" / "metrics.md").read_text(), re.DOTALL)
     assert block is not None
@@ -170,19 +178,11 @@ def test_counters_move_through_a_checkpoint_a_sigkill_and_a_resume(start_stack: 
     for name in SERVERS:
         assert total(registry, "gymrpc_registry_registrations_total", name=name) >= 2, name  # started, restarted
 
-    top = subprocess.run(
-        [sys.executable, "-m", "gymrpc.cli", "--run-dir", str(stack.run_dir), "top", "--once", "--interval", "0.2"],
-        env=env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert top.returncode == 0, top.stderr
-    rows = {line.split()[0]: line.split() for line in top.stdout.splitlines()[2:]}
-    assert set(rows) == {"registry/main", *SERVERS}, top.stdout
-    assert all(row[1] == "serving" for row in rows.values()), top.stdout
-    assert int(rows["agent/counter"][4]) >= continued, top.stdout  # finished episodes, from its metrics
+    frame = top(stack.run_dir)
+    rows = {line.split()[0]: line.split() for line in frame.splitlines()[2:]}
+    assert set(rows) == {"registry/main", *SERVERS}, frame
+    assert all(row[1] == "serving" for row in rows.values()), frame
+    assert int(rows["agent/counter"][4]) >= continued, frame  # finished episodes, from its metrics
 
 
 def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: Any, run_dir: Path) -> None:
@@ -226,15 +226,7 @@ def test_the_durable_episode_store_reports_its_writes_and_fsyncs(start_stack: An
     calls = "gymrpc_rpc_duration_seconds_count"
     assert total(resources, calls, method="/gymrpc.v1.ResourcesService/CallTool") >= 3
     assert total(resources, calls, method="/gymrpc.v1.ResourcesService/CheckpointSession") == 0
-    top = subprocess.run(
-        [sys.executable, "-m", "gymrpc.cli", "--run-dir", str(run_dir), "top", "--once", "--interval", "0.2"],
-        env=env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert top.returncode == 0, top.stderr
-    rows = {line.split()[0]: line for line in top.stdout.splitlines()[2:]}
-    assert "durable, 0 saves/s" in rows["agent/durable"], top.stdout  # its own store, idle once the runs ended
-    assert "durable" not in rows["model/policy"], top.stdout
+    frame = top(run_dir)
+    rows = {line.split()[0]: line for line in frame.splitlines()[2:]}
+    assert "durable, 0 saves/s" in rows["agent/durable"], frame  # its own store, idle once the runs ended
+    assert "durable" not in rows["model/policy"], frame
