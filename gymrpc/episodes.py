@@ -130,7 +130,7 @@ def summary(entry: Entry, record: EpisodeCheckpoint | None, problem: str | None)
 def read_all(folder: StoreFolder, label: str) -> list[dict[str, Any]]:
     """Every episode of the folder read back, in rollout id order (a progress bar on stderr for large folders)."""
     entries = sorted(folder.entries().values(), key=lambda e: e.rollout_id)
-    progress = _Reading(len(entries), label) if len(entries) >= _SHOW_PROGRESS_FROM else None
+    progress = _Reading(len(entries), label=label) if len(entries) >= _SHOW_PROGRESS_FROM else None
     episodes = []
     for entry in entries:
         episodes.append(summary(entry, *_read(folder, entry)))
@@ -340,8 +340,7 @@ def _read(folder: StoreFolder, entry: Entry) -> tuple[EpisodeCheckpoint | None, 
 
 
 class _Reading(Progress):
-    def __init__(self, total: int, label: str) -> None:
-        super().__init__(total, label=label)
+    """The rollouts' progress bar, counting records read."""
 
     def step(self) -> None:
         self.done += 1

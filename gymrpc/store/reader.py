@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from gymrpc.errors import DataLoss
 from gymrpc.store import codec, frames, ranges
 from gymrpc.store.base import EpisodeCheckpoint
+from gymrpc.store.files import _read_header
 from gymrpc.store.log import OWNER, LogView, _corrupt, _log_names, _record_from, _segment_name
 
 _READ = 1 << 20
@@ -85,40 +86,30 @@ class StoreFolder:
 
     def entry(self, rollout_id: str) -> Entry | None:
         """The episode's current write, or None if it has none."""
-        best = self._best_in_logs(rollout_id)
+        found = self._log_entries(rollout_id)
         key = hashlib.sha256(rollout_id.encode()).hexdigest()
         legacy = self.root / "episodes" / key[:2] / f"{key}.ckpt"
-        if legacy.exists():
-            header = codec.decode_header(_read_head(legacy), legacy)
-            if best is None or header.revision > best.version:
-                return Entry(rollout_id, header.revision, path=legacy)
-        return best
+        header = _read_header(legacy)
+        if header is not None:
+            _keep_newest(found, Entry(rollout_id, header.revision, path=legacy))
+        return found.get(rollout_id)
 
     def entries(self) -> dict[str, Entry]:
         """Every episode with a write in the folder (deleted ones included: `Entry.chain.deleted`), by id."""
-        found: dict[str, Entry] = {}
-        for state in self.logs:
-            chains, damaged = state.view.index.settled()
-            for rollout_id, chain in chains.items():
-                if rollout_id not in found or chain.version > found[rollout_id].version:
-                    found[rollout_id] = Entry(rollout_id, chain.version, state, chain)
-            for rollout_id, version in damaged.items():
-                if rollout_id not in found or version > found[rollout_id].version:
-                    found[rollout_id] = Entry(rollout_id, version, state)
+        found = self._log_entries()
         for path in self._legacy_files():
             try:
                 rollout_id, revision = _legacy_identity(path)
             except DataLoss:
                 found.setdefault(path.stem, Entry(path.stem, 0, path=path))  # named by its key: load says why
                 continue
-            if rollout_id not in found or revision > found[rollout_id].version:
-                found[rollout_id] = Entry(rollout_id, revision, path=path)
+            _keep_newest(found, Entry(rollout_id, revision, path=path))
         return found
 
     def load(self, entry: Entry) -> EpisodeCheckpoint | None:
         """The record `entry` holds (None: deleted); DATA_LOSS, saying why, if it cannot be read back."""
         if entry.path is not None:
-            data = _read_head(entry.path, codec.HEADER_SIZE + codec.MAX_RECORD_BYTES + 1)
+            data = _read_record_file(entry.path)
             return codec.decode(data, entry.path, entry.rollout_id)
         assert entry.log is not None
         view = entry.log.view
@@ -134,17 +125,19 @@ class StoreFolder:
             fresh = self.entry(entry.rollout_id)
             return None if fresh is None else self.load(fresh)
 
-    def _best_in_logs(self, rollout_id: str) -> Entry | None:
-        best: Entry | None = None
+    def _log_entries(self, only: str | None = None) -> dict[str, Entry]:
+        """The newest write of each episode (of `only`, if given) across the logs, as `LogEpisodeStore` picks it."""
+        found: dict[str, Entry] = {}
         for state in self.logs:
             chains, damaged = state.view.index.settled()
-            chain = chains.get(rollout_id)
-            if chain is not None and (best is None or chain.version > best.version):
-                best = Entry(rollout_id, chain.version, state, chain)
-            version = damaged.get(rollout_id, 0)
-            if version and (best is None or version > best.version):
-                best = Entry(rollout_id, version, state)
-        return best
+            if only is not None:
+                chains = {only: chains[only]} if only in chains else {}
+                damaged = {only: damaged[only]} if only in damaged else {}
+            for rollout_id, chain in chains.items():
+                _keep_newest(found, Entry(rollout_id, chain.version, state, chain))
+            for rollout_id, version in damaged.items():
+                _keep_newest(found, Entry(rollout_id, version, state))
+        return found
 
     def _legacy_files(self) -> Iterator[Path]:
         episodes = self.root / "episodes"
@@ -161,6 +154,12 @@ def read_record(root: str | Path, rollout_id: str) -> EpisodeCheckpoint | None:
     folder = StoreFolder(root)
     entry = folder.entry(rollout_id)
     return None if entry is None else folder.load(entry)
+
+
+def _keep_newest(found: dict[str, Entry], entry: Entry) -> None:
+    held = found.get(entry.rollout_id)
+    if held is None or entry.version > held.version:
+        found[entry.rollout_id] = entry
 
 
 def _in_use(folder: Path) -> bool:
@@ -197,15 +196,15 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _read_head(path: Path, limit: int = codec.HEADER_SIZE) -> bytes:
-    """At most `limit` bytes of the file: a record file is never read past what its format allows."""
+def _read_record_file(path: Path) -> bytes:
+    """A files-store record, never read past the largest its format allows."""
     with open(path, "rb") as f:
-        return f.read(limit)
+        return f.read(codec.HEADER_SIZE + codec.MAX_RECORD_BYTES + 1)
 
 
 def _legacy_identity(path: Path) -> tuple[str, int]:
     """The rollout id and revision of a files-store record, checked against the file's name (its id's hash)."""
-    data = _read_head(path, codec.HEADER_SIZE + codec.MAX_RECORD_BYTES + 1)
+    data = _read_record_file(path)
     header = codec.decode_header(data, path)
     record = EpisodeCheckpoint()
     try:
