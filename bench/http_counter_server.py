@@ -30,7 +30,7 @@ from gymrpc.errors import GymrpcError, InvalidArgument
 from gymrpc.ids import check_id
 from gymrpc.messages import parse_json_object
 from gymrpc.rundir import write_text_atomic
-from gymrpc.servers.resources.sessions import EpisodeKey, SessionHost
+from gymrpc.servers.resources.sessions import EpisodeKey, SessionHost, request_digest
 
 
 class EpisodeIdBody(BaseModel):
@@ -132,7 +132,8 @@ def build_app(workers: int = 8) -> FastAPI:
                     problem = f"Error: arguments of {call.name} must be a JSON object"
             except json.JSONDecodeError as exc:
                 problem = f"Error: arguments of {call.name} are not valid JSON: {exc}"
-        result, _ = await host.call_tool(session_id, key, call.id, call.name, arguments, problem)
+        digest = request_digest(call.name, call.arguments_json)
+        result, _ = await host.call_tool(session_id, key, call.id, call.name, arguments, problem, digest=digest)
         return CallToolResult(output=result.output, is_error=result.is_error)
 
     return app

@@ -25,7 +25,9 @@ model role answers its recorded calls from the record and the resources role ret
 recorded result of every known call id, so nothing is generated or applied twice and the
 run goes live at the first call past the record. The function must be deterministic given
 the responses it gets (as a Temporal workflow must); one that is not fails with
-REPLAY_DIVERGENCE unless it opted into `divergence="go_live"`.
+REPLAY_DIVERGENCE unless it opted into `divergence="go_live"`, and one that sends another
+tool call under a recorded call id fails with REQUEST_ID_REUSED (it would get the recorded
+call's result otherwise).
 """
 
 from gymrpc.agentkit.episode import Episode, ToolCaller, ToolOutput

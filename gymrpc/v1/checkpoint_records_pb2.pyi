@@ -224,6 +224,7 @@ class CachedToolReply(_message.Message):
     TERMINATED_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
     TEXT_TURN_FIELD_NUMBER: _builtins.int
+    REQUEST_DIGEST_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """De-duplication key: `call:<tool call id>` or `turn:<turn id>`."""
     output: _builtins.str
@@ -236,6 +237,12 @@ class CachedToolReply(_message.Message):
     """Whether the turn was cut short (text turns)."""
     text_turn: _builtins.bool
     """True for a text turn, false for a tool call."""
+    request_digest: _builtins.bytes
+    """BLAKE2b-128 of what the call asked (the tool's name and arguments
+    text, or the turn's text): a retry of the key must ask the same, else
+    it is refused (`REQUEST_ID_REUSED`). Empty in records written before it
+    was kept: any retry of the key gets the reply.
+    """
     @_builtins.property
     def observations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """New user-role observations (text turns)."""
@@ -250,10 +257,11 @@ class CachedToolReply(_message.Message):
         terminated: _builtins.bool = ...,
         truncated: _builtins.bool = ...,
         text_turn: _builtins.bool = ...,
+        request_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_error", b"is_error", "key", b"key", "observations", b"observations", "output", b"output", "terminated", b"terminated", "text_turn", b"text_turn", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_error", b"is_error", "key", b"key", "observations", b"observations", "output", b"output", "request_digest", b"request_digest", "terminated", b"terminated", "text_turn", b"text_turn", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

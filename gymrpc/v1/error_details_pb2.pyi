@@ -121,7 +121,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     controller stopped before indexing it. Code FAILED_PRECONDITION.
     """
     ERROR_REASON_REQUEST_ID_REUSED: _ErrorReason.ValueType  # 32
-    """The request id was already used by a request with other content.
+    """The request id (a model call's `request_id`, a tool call's id, a text
+    turn's `turn_id`) was already used by a request with other content.
     Code ALREADY_EXISTS.
     """
     ERROR_REASON_INTERNAL: _ErrorReason.ValueType  # 33
@@ -311,7 +312,8 @@ ERROR_REASON_CHECKPOINT_INCOMPLETE: ErrorReason.ValueType  # 31
 controller stopped before indexing it. Code FAILED_PRECONDITION.
 """
 ERROR_REASON_REQUEST_ID_REUSED: ErrorReason.ValueType  # 32
-"""The request id was already used by a request with other content.
+"""The request id (a model call's `request_id`, a tool call's id, a text
+turn's `turn_id`) was already used by a request with other content.
 Code ALREADY_EXISTS.
 """
 ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 33

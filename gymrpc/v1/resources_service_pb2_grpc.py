@@ -125,8 +125,9 @@ class ResourcesServiceServicer:
     def CallTool(self, request, context):
         """Runs one tool call. Tool-level failures (unknown tool, bad arguments, an
         error the tool reports) are results for the model (`is_error`), not
-        RPC errors. Idempotent per `call_id`: a retry returns the first result
-        and never applies the call twice.
+        RPC errors. Idempotent per `call.id`: a retry returns the first result
+        and never applies the call twice; the same id with another tool name or
+        arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,7 +136,8 @@ class ResourcesServiceServicer:
     def Step(self, request, context):
         """Feeds the assistant's text to an environment that acts on text rather
         than tool calls (`INTERACTION_STYLE_TEXT_TURNS`, for example a card game
-        reading `<action>hit</action>`). Idempotent per `turn_id`.
+        reading `<action>hit</action>`). Idempotent per `turn_id`; the same id
+        with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -52,13 +52,15 @@ class ResourcesServiceStub:
     CallTool: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.CallToolRequest, _resources_service_pb2.CallToolResponse]
     """Runs one tool call. Tool-level failures (unknown tool, bad arguments, an
     error the tool reports) are results for the model (`is_error`), not
-    RPC errors. Idempotent per `call_id`: a retry returns the first result
-    and never applies the call twice.
+    RPC errors. Idempotent per `call.id`: a retry returns the first result
+    and never applies the call twice; the same id with another tool name or
+    arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result.
     """
     Step: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.StepRequest, _resources_service_pb2.StepResponse]
     """Feeds the assistant's text to an environment that acts on text rather
     than tool calls (`INTERACTION_STYLE_TEXT_TURNS`, for example a card game
-    reading `<action>hit</action>`). Idempotent per `turn_id`.
+    reading `<action>hit</action>`). Idempotent per `turn_id`; the same id
+    with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`).
     """
     Verify: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.VerifyRequest, _resources_service_pb2.VerifyResponse]
     """Computes the episode's reward."""
@@ -104,13 +106,15 @@ class ResourcesServiceAsyncStub(ResourcesServiceStub):
     CallTool: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.CallToolRequest, _resources_service_pb2.CallToolResponse]  # type: ignore[assignment]
     """Runs one tool call. Tool-level failures (unknown tool, bad arguments, an
     error the tool reports) are results for the model (`is_error`), not
-    RPC errors. Idempotent per `call_id`: a retry returns the first result
-    and never applies the call twice.
+    RPC errors. Idempotent per `call.id`: a retry returns the first result
+    and never applies the call twice; the same id with another tool name or
+    arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result.
     """
     Step: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.StepRequest, _resources_service_pb2.StepResponse]  # type: ignore[assignment]
     """Feeds the assistant's text to an environment that acts on text rather
     than tool calls (`INTERACTION_STYLE_TEXT_TURNS`, for example a card game
-    reading `<action>hit</action>`). Idempotent per `turn_id`.
+    reading `<action>hit</action>`). Idempotent per `turn_id`; the same id
+    with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`).
     """
     Verify: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.VerifyRequest, _resources_service_pb2.VerifyResponse]  # type: ignore[assignment]
     """Computes the episode's reward."""
@@ -171,8 +175,9 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_resources_service_pb2.CallToolResponse, _abc.Awaitable[_resources_service_pb2.CallToolResponse]]:
         """Runs one tool call. Tool-level failures (unknown tool, bad arguments, an
         error the tool reports) are results for the model (`is_error`), not
-        RPC errors. Idempotent per `call_id`: a retry returns the first result
-        and never applies the call twice.
+        RPC errors. Idempotent per `call.id`: a retry returns the first result
+        and never applies the call twice; the same id with another tool name or
+        arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result.
         """
 
     @_abc_1.abstractmethod
@@ -183,7 +188,8 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_resources_service_pb2.StepResponse, _abc.Awaitable[_resources_service_pb2.StepResponse]]:
         """Feeds the assistant's text to an environment that acts on text rather
         than tool calls (`INTERACTION_STYLE_TEXT_TURNS`, for example a card game
-        reading `<action>hit</action>`). Idempotent per `turn_id`.
+        reading `<action>hit</action>`). Idempotent per `turn_id`; the same id
+        with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`).
         """
 
     @_abc_1.abstractmethod

@@ -60,7 +60,7 @@ from gymrpc.messages import task_spec, tool_definition
 from gymrpc.servers.resources.frozen import Frozen
 from gymrpc.servers.resources.service import SNAPSHOT_PROTOCOL_VERSION, ResourcesServicer, session_snapshot
 from gymrpc.servers.resources.sessions import EpisodeKey as HostKey
-from gymrpc.servers.resources.sessions import Slot
+from gymrpc.servers.resources.sessions import Reply, Slot
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
@@ -325,7 +325,7 @@ class ResourcesParticipant(Participant):
             nxt = EpisodeKey.of(record.episode_id).next()
             slot = Slot(sessions[session_id], HostKey(*nxt), f"restored:{record.episode_id.rollout_id}", reply)
             for cached in body.replies:
-                slot.results[cached.key] = _result(cached)
+                slot.results[cached.key] = _reply(cached)
             staged.slots[session_id] = slot
             if self.mode is CheckpointMode.STATELESS:
                 staged.tasks[session_id] = body.task
@@ -398,7 +398,7 @@ class ResourcesParticipant(Participant):
         return {"mode": self.mode.value, "verify": self.verify, "environment": self.environment.name}
 
 
-Results = tuple[tuple[str, Any], ...]
+Results = tuple[tuple[str, Reply], ...]
 """A session's cached replies at a capture (`Slot.results`' items; the results are immutable)."""
 
 
@@ -509,9 +509,12 @@ def _check_format(session_id: str, fmt: SnapshotFormat, name: str, version: int,
 
 def _replies(results: Results) -> list[rec_pb.CachedToolReply]:
     out = []
-    for key, result in results:
+    for key, reply in results:
+        result, digest = reply.result, reply.digest
         if isinstance(result, ToolResult):
-            out.append(rec_pb.CachedToolReply(key=key, output=result.output, is_error=result.is_error))
+            out.append(
+                rec_pb.CachedToolReply(key=key, output=result.output, is_error=result.is_error, request_digest=digest)
+            )
         elif isinstance(result, StepResult):
             out.append(
                 rec_pb.CachedToolReply(
@@ -520,15 +523,16 @@ def _replies(results: Results) -> list[rec_pb.CachedToolReply]:
                     terminated=result.terminated,
                     truncated=result.truncated,
                     text_turn=True,
+                    request_digest=digest,
                 )
             )
     return out
 
 
-def _result(cached: rec_pb.CachedToolReply) -> ToolResult | StepResult:
+def _reply(cached: rec_pb.CachedToolReply) -> Reply:
     if cached.text_turn:
-        return StepResult(tuple(cached.observations), cached.terminated, cached.truncated)
-    return ToolResult(cached.output, cached.is_error)
+        return Reply(StepResult(tuple(cached.observations), cached.terminated, cached.truncated), cached.request_digest)
+    return Reply(ToolResult(cached.output, cached.is_error), cached.request_digest)
 
 
 GATED = (

@@ -13,7 +13,7 @@ from gymrpc.envkit import CheckpointMode, Environment, InteractionStyle, Snapsho
 from gymrpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from gymrpc.ids import check_attempt, check_id
 from gymrpc.messages import messages_to_dicts, task_spec, tool_definition
-from gymrpc.servers.resources.sessions import EpisodeKey, SessionHost
+from gymrpc.servers.resources.sessions import EpisodeKey, SessionHost, request_digest
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
 from gymrpc.v1 import resources_service_pb2_grpc as pb_grpc
@@ -116,8 +116,9 @@ class ResourcesServicer(pb_grpc.ResourcesServiceServicer):
             except ValueError as exc:
                 problem = f"Error: arguments of {call.name} are not valid JSON: {exc}"
         export = request.return_snapshot
+        digest = request_digest(call.name, call.arguments_json)
         result, payload = await self.host.call_tool(
-            session_id, episode, call.id, call.name, arguments, problem, export=export
+            session_id, episode, call.id, call.name, arguments, problem, digest=digest, export=export
         )
         reply = pb.CallToolResponse(output=result.output, is_error=result.is_error)
         if payload is not None:

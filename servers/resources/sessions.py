@@ -48,6 +48,26 @@ def not_owner(session_id: str) -> PermissionDenied:
     )
 
 
+def request_digest(*parts: str) -> bytes:
+    """What a call asked (a tool's name and arguments text, a turn's text): a retry asks the same,
+    another call that reuses the id does not (lengths prefixed, so no two splits hash alike)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A call's first reply, kept for its retries, with the digest of what the call asked."""
+
+    result: ToolResult | StepResult
+    digest: bytes = b""
+    """`request_digest` of the call; b"" when not known (a record written before it was kept)."""
+
+
 @dataclass(frozen=True)
 class EpisodeKey:
     rollout_id: str
@@ -63,7 +83,7 @@ class Slot:
     seed_fingerprint: str
     seed_reply: Any
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    results: OrderedDict[str, Any] = field(default_factory=OrderedDict)
+    results: OrderedDict[str, Reply] = field(default_factory=OrderedDict)
     """Replies by de-duplication key (`call:<id>`, `turn:<id>`): a retry returns the first reply."""
     verify_failed: bool = False
     """The last `verify` raised: the episode failed, so coordinated checkpoints leave the session out."""
@@ -192,17 +212,21 @@ class SessionHost:
         arguments: Mapping[str, Any] | None,
         bad_arguments: str | None,
         *,
+        digest: bytes = b"",
         export: bool = False,
     ) -> tuple[ToolResult, bytes | None]:
         """The call's result (a retry with the same `call_id` gets the first one) and, if `export`, the
-        session's snapshot payload right after the call (`after`)."""
+        session's snapshot payload right after the call (`after`). `digest` is the call's
+        `request_digest`: another call under a known id is refused, not answered with a stale result."""
         if export:
             self.require_snapshots()  # refused before the call runs: nothing changes
         slot = self.slot(session_id, episode)
         async with slot.lock:
             key = f"call:{call_id}"
-            if call_id and key in slot.results:
-                result = slot.results[key]
+            known = slot.results.get(key) if call_id else None
+            if known is not None:
+                _check_retry(known, digest, session_id, "tool call id", call_id, "another tool name or arguments")
+                result = known.result
             else:
                 self._changing(session_id, slot)
                 slot.last_change = key  # from here on the session may differ from before this call
@@ -213,7 +237,7 @@ class SessionHost:
                         result = await self.run(slot.session.call_tool, name, arguments or {})
                     except ToolError as exc:
                         result = ToolResult(str(exc), is_error=True)
-                self._remember(slot, key, result)
+                self._remember(slot, key, Reply(result, digest))
             return result, await self.after(slot, key) if export else None
 
     async def step(
@@ -226,8 +250,11 @@ class SessionHost:
         slot = self.slot(session_id, episode)
         async with slot.lock:
             key = f"turn:{turn_id}"
-            if turn_id and key in slot.results:
-                result = slot.results[key]
+            digest = request_digest(text)
+            known = slot.results.get(key) if turn_id else None
+            if known is not None:
+                _check_retry(known, digest, session_id, "turn_id", turn_id, "other text")
+                result = known.result
             else:
                 self._changing(session_id, slot)
                 slot.last_change = key  # from here on the session may differ from before this turn
@@ -235,7 +262,7 @@ class SessionHost:
                     result = await self.run(slot.session.step, text)
                 except ToolError as exc:
                     raise FailedPrecondition(str(exc)) from None
-                self._remember(slot, key, result)
+                self._remember(slot, key, Reply(result, digest))
             return result, await self.after(slot, key) if export else None
 
     async def after(self, slot: Slot, key: str) -> bytes:
@@ -280,9 +307,9 @@ class SessionHost:
         self.frozen.before_change(session_id, slot)
 
     @staticmethod
-    def _remember(slot: Slot, key: str, result: Any) -> None:
+    def _remember(slot: Slot, key: str, reply: Reply) -> None:
         if not key.endswith(":"):
-            slot.results[key] = result
+            slot.results[key] = reply
             while len(slot.results) > MAX_RESULTS_PER_SESSION:
                 slot.results.popitem(last=False)
 
@@ -356,3 +383,15 @@ class SessionHost:
         self.session_types.update(type(slot.session) for slot in slots.values())
         for session_id in slots:
             self._closed.pop(session_id, None)
+
+
+def _check_retry(known: Reply, digest: bytes, session_id: str, what: str, key: str, other: str) -> None:
+    """ALREADY_EXISTS for a call that reuses a known id but asks something else (`REQUEST_ID_REUSED`)."""
+    if known.digest and digest and known.digest != digest:
+        raise AlreadyExists(
+            f"{what} {key[:140]!r} of session {session_id!r} was already used by a call with {other}; a retry "
+            "must resend the same call, a new call needs a new id (its first result is not the answer to this "
+            "one); nothing was run",
+            reason="REQUEST_ID_REUSED",
+            metadata={"session_id": session_id, "id": key[:140]},
+        )

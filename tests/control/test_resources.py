@@ -17,9 +17,10 @@ from gymrpc.control import store as store_module
 from gymrpc.envkit import CheckpointMode, Environment, Session, TaskSpec, ToolResult, ToolSpec, VerifyResult
 from gymrpc.envs.blackjack import BlackjackEnvironment
 from gymrpc.envs.counter import CounterEnvironment
-from gymrpc.errors import DataLoss, GymrpcError
-from gymrpc.servers.resources.participant import ResourcesParticipant, gate_servicer
+from gymrpc.errors import AlreadyExists, DataLoss, GymrpcError
+from gymrpc.servers.resources.participant import ResourcesParticipant, _reply, gate_servicer
 from gymrpc.servers.resources.service import ResourcesServicer
+from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
 from gymrpc.v1 import common_pb2
 from gymrpc.v1 import resources_service_pb2 as pb
 from tests.agent.fakes import blackjack_tasks, counter_task
@@ -177,6 +178,60 @@ def test_blackjack_restores_its_deck(tmp_path: Path) -> None:
         assert [await turn(fresh, f"b{i}", 1, "t1") for i in range(3)] == expected
         for server in (first, fresh):
             await server.close()
+
+    run(main())
+
+
+def test_a_known_call_id_asking_another_call_is_refused_also_after_a_restore(tmp_path: Path) -> None:
+    async def refused(call: Any) -> AlreadyExists:
+        with pytest.raises(AlreadyExists) as caught:
+            await call
+        assert caught.value.reason == "REQUEST_ID_REUSED"
+        return caught.value
+
+    async def main() -> None:
+        first = Server(CounterEnvironment())
+        await first.seed("r0", counter_task("t", 0, 3))
+        assert await first.add("r0", 1, call_id="c0") == '{"success": true}'
+        assert await first.add("r0", 1, call_id="c0") == '{"success": true}'  # a retry: its first result
+        error = await refused(first.add("r0", 2, call_id="c0"))
+        assert error.metadata == {"session_id": "r0-s", "id": "c0"}
+        assert "nothing was run" in error.message
+        assert await first.value("r0") == 1
+        await first.checkpoint(tmp_path)  # the record keeps what each cached call asked
+        await first.plane.resume("c1")
+        fresh = Server(CounterEnvironment())
+        await fresh.plane.restore("x1", soon(), str(tmp_path), [EpisodeKey("r0", 0)])
+        await fresh.plane.resume("x1")
+        assert await fresh.add("r0", 1, attempt=1, call_id="c0") == '{"success": true}'
+        await refused(fresh.add("r0", 2, attempt=1, call_id="c0"))
+        assert await fresh.value("r0", 1) == 1
+        # A reply restored from a record written before digests were kept answers any retry of its id.
+        slot = fresh.servicer.host.live()["r0-s"]
+        slot.results["call:old"] = _reply(rec_pb.CachedToolReply(key="call:old", output="kept"))
+        assert await fresh.add("r0", 5, attempt=1, call_id="old") == "kept"
+        for server in (first, fresh):
+            await server.close()
+
+    run(main())
+
+
+def test_a_known_turn_id_with_other_text_is_refused() -> None:
+    async def turn(server: Server, text: str) -> pb.StepResponse:
+        message = common_pb2.Message(role=common_pb2.ROLE_ASSISTANT, content=f"<action>{text}</action>")
+        request = pb.StepRequest(session_id="b0-s", episode_id=ep("b0"), turn_id="t1", message=message)
+        return await server.servicer.Step(request, None)
+
+    async def main() -> None:
+        server = Server(BlackjackEnvironment())
+        await server.seed("b0", blackjack_tasks(seed=7)[0])
+        first = await turn(server, "stand")
+        assert await turn(server, "stand") == first
+        with pytest.raises(AlreadyExists) as caught:
+            await turn(server, "hit")
+        assert caught.value.reason == "REQUEST_ID_REUSED"
+        assert "other text" in caught.value.message
+        await server.close()
 
     run(main())
 

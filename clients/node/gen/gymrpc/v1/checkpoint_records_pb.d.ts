@@ -247,6 +247,16 @@ export declare type CachedToolReply = Message<"gymrpc.v1.CachedToolReply"> & {
    * @generated from field: bool text_turn = 7;
    */
   textTurn: boolean;
+
+  /**
+   * BLAKE2b-128 of what the call asked (the tool's name and arguments
+   * text, or the turn's text): a retry of the key must ask the same, else
+   * it is refused (`REQUEST_ID_REUSED`). Empty in records written before it
+   * was kept: any retry of the key gets the reply.
+   *
+   * @generated from field: bytes request_digest = 8;
+   */
+  requestDigest: Uint8Array;
 };
 
 /**

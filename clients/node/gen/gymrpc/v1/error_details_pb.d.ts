@@ -264,7 +264,8 @@ export enum ErrorReason {
   CHECKPOINT_INCOMPLETE = 31,
 
   /**
-   * The request id was already used by a request with other content.
+   * The request id (a model call's `request_id`, a tool call's id, a text
+   * turn's `turn_id`) was already used by a request with other content.
    * Code ALREADY_EXISTS.
    *
    * @generated from enum value: ERROR_REASON_REQUEST_ID_REUSED = 32;

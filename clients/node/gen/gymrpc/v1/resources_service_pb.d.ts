@@ -789,8 +789,9 @@ export declare const ResourcesService: GenService<{
   /**
    * Runs one tool call. Tool-level failures (unknown tool, bad arguments, an
    * error the tool reports) are results for the model (`is_error`), not
-   * RPC errors. Idempotent per `call_id`: a retry returns the first result
-   * and never applies the call twice.
+   * RPC errors. Idempotent per `call.id`: a retry returns the first result
+   * and never applies the call twice; the same id with another tool name or
+   * arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result.
    *
    * @generated from rpc gymrpc.v1.ResourcesService.CallTool
    */
@@ -802,7 +803,8 @@ export declare const ResourcesService: GenService<{
   /**
    * Feeds the assistant's text to an environment that acts on text rather
    * than tool calls (`INTERACTION_STYLE_TEXT_TURNS`, for example a card game
-   * reading `<action>hit</action>`). Idempotent per `turn_id`.
+   * reading `<action>hit</action>`). Idempotent per `turn_id`; the same id
+   * with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`).
    *
    * @generated from rpc gymrpc.v1.ResourcesService.Step
    */
