@@ -25,9 +25,10 @@ model role answers its recorded calls from the record and the resources role ret
 recorded result of every known call id, so nothing is generated or applied twice and the
 run goes live at the first call past the record. The function must be deterministic given
 the responses it gets (as a Temporal workflow must); one that is not fails with
-REPLAY_DIVERGENCE unless it opted into `divergence="go_live"`, and one that sends another
-tool call under a recorded call id fails with REQUEST_ID_REUSED (it would get the recorded
-call's result otherwise).
+REPLAY_DIVERGENCE unless it opted into `divergence="go_live"`. The resources role answers
+REPLAY_DIVERGENCE in either mode to a tool call the earlier run did not make (another call
+under a recorded id, or a new call while recorded ones are not repeated yet): the session
+holds the earlier run's effects.
 """
 
 from gymrpc.agentkit.episode import Episode, ToolCaller, ToolOutput

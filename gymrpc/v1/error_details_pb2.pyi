@@ -89,8 +89,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_REPLAY_DIVERGENCE: _ErrorReason.ValueType  # 24
     """A retried agent run asked the model something other than the recorded
     call at the same position (its code is not deterministic); the metadata
-    names the `position` and the first differing `field`. Code
-    FAILED_PRECONDITION.
+    names the `position` and the first differing `field`. Also the resources
+    role's answer to a retried run (its session seeded again after it
+    changed) that asks a call the earlier run did not make while calls the
+    earlier run made are not asked again; the metadata names the
+    `session_id`, the call's `id` and how many recorded calls are
+    `unrepeated`. Code FAILED_PRECONDITION.
     """
     ERROR_REASON_UPSTREAM_REJECTED: _ErrorReason.ValueType  # 25
     """The model's upstream server refused the request as malformed.
@@ -280,8 +284,12 @@ an agent token on AgentService). Code PERMISSION_DENIED.
 ERROR_REASON_REPLAY_DIVERGENCE: ErrorReason.ValueType  # 24
 """A retried agent run asked the model something other than the recorded
 call at the same position (its code is not deterministic); the metadata
-names the `position` and the first differing `field`. Code
-FAILED_PRECONDITION.
+names the `position` and the first differing `field`. Also the resources
+role's answer to a retried run (its session seeded again after it
+changed) that asks a call the earlier run did not make while calls the
+earlier run made are not asked again; the metadata names the
+`session_id`, the call's `id` and how many recorded calls are
+`unrepeated`. Code FAILED_PRECONDITION.
 """
 ERROR_REASON_UPSTREAM_REJECTED: ErrorReason.ValueType  # 25
 """The model's upstream server refused the request as malformed.

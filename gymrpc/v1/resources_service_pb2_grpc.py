@@ -116,7 +116,11 @@ class ResourcesServiceServicer:
         """Creates a session from a task. Idempotent per `session_id`: a retry with
         the same task returns the first reply; another task for the same id is
         ALREADY_EXISTS. INVALID_ARGUMENT when the task lacks fields the
-        environment needs.
+        environment needs. A retry after the session changed starts a replay:
+        the retried run must ask the earlier run's calls again (each gets its
+        first reply); until it has, a call the earlier run did not make, or a
+        `Verify`, is FAILED_PRECONDITION (`REPLAY_DIVERGENCE`), for the session
+        holds effects the new run never saw (`DiscardSession` starts it over).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,7 +131,8 @@ class ResourcesServiceServicer:
         error the tool reports) are results for the model (`is_error`), not
         RPC errors. Idempotent per `call.id`: a retry returns the first result
         and never applies the call twice; the same id with another tool name or
-        arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result.
+        arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result
+        (in a replay, FAILED_PRECONDITION `REPLAY_DIVERGENCE`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,7 +142,8 @@ class ResourcesServiceServicer:
         """Feeds the assistant's text to an environment that acts on text rather
         than tool calls (`INTERACTION_STYLE_TEXT_TURNS`, for example a card game
         reading `<action>hit</action>`). Idempotent per `turn_id`; the same id
-        with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`).
+        with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`; in a replay,
+        `REPLAY_DIVERGENCE`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -47,20 +47,26 @@ class ResourcesServiceStub:
     """Creates a session from a task. Idempotent per `session_id`: a retry with
     the same task returns the first reply; another task for the same id is
     ALREADY_EXISTS. INVALID_ARGUMENT when the task lacks fields the
-    environment needs.
+    environment needs. A retry after the session changed starts a replay:
+    the retried run must ask the earlier run's calls again (each gets its
+    first reply); until it has, a call the earlier run did not make, or a
+    `Verify`, is FAILED_PRECONDITION (`REPLAY_DIVERGENCE`), for the session
+    holds effects the new run never saw (`DiscardSession` starts it over).
     """
     CallTool: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.CallToolRequest, _resources_service_pb2.CallToolResponse]
     """Runs one tool call. Tool-level failures (unknown tool, bad arguments, an
     error the tool reports) are results for the model (`is_error`), not
     RPC errors. Idempotent per `call.id`: a retry returns the first result
     and never applies the call twice; the same id with another tool name or
-    arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result.
+    arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result
+    (in a replay, FAILED_PRECONDITION `REPLAY_DIVERGENCE`).
     """
     Step: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.StepRequest, _resources_service_pb2.StepResponse]
     """Feeds the assistant's text to an environment that acts on text rather
     than tool calls (`INTERACTION_STYLE_TEXT_TURNS`, for example a card game
     reading `<action>hit</action>`). Idempotent per `turn_id`; the same id
-    with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`).
+    with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`; in a replay,
+    `REPLAY_DIVERGENCE`).
     """
     Verify: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.VerifyRequest, _resources_service_pb2.VerifyResponse]
     """Computes the episode's reward."""
@@ -101,20 +107,26 @@ class ResourcesServiceAsyncStub(ResourcesServiceStub):
     """Creates a session from a task. Idempotent per `session_id`: a retry with
     the same task returns the first reply; another task for the same id is
     ALREADY_EXISTS. INVALID_ARGUMENT when the task lacks fields the
-    environment needs.
+    environment needs. A retry after the session changed starts a replay:
+    the retried run must ask the earlier run's calls again (each gets its
+    first reply); until it has, a call the earlier run did not make, or a
+    `Verify`, is FAILED_PRECONDITION (`REPLAY_DIVERGENCE`), for the session
+    holds effects the new run never saw (`DiscardSession` starts it over).
     """
     CallTool: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.CallToolRequest, _resources_service_pb2.CallToolResponse]  # type: ignore[assignment]
     """Runs one tool call. Tool-level failures (unknown tool, bad arguments, an
     error the tool reports) are results for the model (`is_error`), not
     RPC errors. Idempotent per `call.id`: a retry returns the first result
     and never applies the call twice; the same id with another tool name or
-    arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result.
+    arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result
+    (in a replay, FAILED_PRECONDITION `REPLAY_DIVERGENCE`).
     """
     Step: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.StepRequest, _resources_service_pb2.StepResponse]  # type: ignore[assignment]
     """Feeds the assistant's text to an environment that acts on text rather
     than tool calls (`INTERACTION_STYLE_TEXT_TURNS`, for example a card game
     reading `<action>hit</action>`). Idempotent per `turn_id`; the same id
-    with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`).
+    with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`; in a replay,
+    `REPLAY_DIVERGENCE`).
     """
     Verify: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.VerifyRequest, _resources_service_pb2.VerifyResponse]  # type: ignore[assignment]
     """Computes the episode's reward."""
@@ -164,7 +176,11 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
         """Creates a session from a task. Idempotent per `session_id`: a retry with
         the same task returns the first reply; another task for the same id is
         ALREADY_EXISTS. INVALID_ARGUMENT when the task lacks fields the
-        environment needs.
+        environment needs. A retry after the session changed starts a replay:
+        the retried run must ask the earlier run's calls again (each gets its
+        first reply); until it has, a call the earlier run did not make, or a
+        `Verify`, is FAILED_PRECONDITION (`REPLAY_DIVERGENCE`), for the session
+        holds effects the new run never saw (`DiscardSession` starts it over).
         """
 
     @_abc_1.abstractmethod
@@ -177,7 +193,8 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
         error the tool reports) are results for the model (`is_error`), not
         RPC errors. Idempotent per `call.id`: a retry returns the first result
         and never applies the call twice; the same id with another tool name or
-        arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result.
+        arguments is ALREADY_EXISTS (`REQUEST_ID_REUSED`), not a stale result
+        (in a replay, FAILED_PRECONDITION `REPLAY_DIVERGENCE`).
         """
 
     @_abc_1.abstractmethod
@@ -189,7 +206,8 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
         """Feeds the assistant's text to an environment that acts on text rather
         than tool calls (`INTERACTION_STYLE_TEXT_TURNS`, for example a card game
         reading `<action>hit</action>`). Idempotent per `turn_id`; the same id
-        with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`).
+        with other text is ALREADY_EXISTS (`REQUEST_ID_REUSED`; in a replay,
+        `REPLAY_DIVERGENCE`).
         """
 
     @_abc_1.abstractmethod

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from gymrpc import tracing
-from gymrpc.errors import GymrpcError, from_rpc_error
+from gymrpc.errors import FailedPrecondition, GymrpcError, from_rpc_error
 from gymrpc.pbtime import duration
 from gymrpc.servers.agent.state import EpisodeState, Phase, caller_retries
 from gymrpc.v1 import agent_service_pb2 as agent_pb
@@ -94,7 +94,13 @@ class EpisodeLoop:
         started, base = time.monotonic(), state.elapsed_s
         try:
             while state.phase is not Phase.COMPLETED:
-                message = await self.advance(state)
+                try:
+                    message = await self.advance(state)
+                except FailedPrecondition as err:
+                    if not _replay_diverged(err, state) or state.run_nonce:  # a fresh session diverges from nothing
+                        raise
+                    await self._start_over(state, err)
+                    continue
                 state.elapsed_s = base + time.monotonic() - started
                 yield message
         except BaseException as exc:
@@ -102,6 +108,18 @@ class EpisodeLoop:
             if state.phase not in (Phase.NEW, Phase.COMPLETED) and not kept:
                 self.close_in_background(state)
             raise
+
+    async def _start_over(self, state: EpisodeState, err: FailedPrecondition) -> None:
+        """A retried run replays the earlier run's calls (the model's and the resources' replies by their
+        ids); one that went another way (a sampling model whose generations were lost, say) cannot go on
+        in the session the earlier run changed, so the episode starts over in a fresh one."""
+        log.warning(
+            "the retried run went another way than the earlier one; starting the episode over in a fresh session",
+            extra={"episode": state.label, "error": err.message},
+        )
+        request = resources_pb.DiscardSessionRequest(session_id=state.session_id, episode_id=state.episode_id)
+        await self.call_resources("DiscardSession", request)
+        state.start_over()
 
     async def run(self, state: EpisodeState) -> agent_pb.Trajectory:
         """Run the episode to the end and return its trajectory."""
@@ -363,3 +381,8 @@ def _number_tool_calls(message: common_pb2.Message, step: int, used: set[str]) -
             while call.id in used:
                 call.id += "_"
         used.add(call.id)
+
+
+def _replay_diverged(err: FailedPrecondition, state: EpisodeState) -> bool:
+    """The resources role refused a call of this retried run: the earlier run did not make it."""
+    return err.reason == "REPLAY_DIVERGENCE" and err.metadata.get("session_id") == state.session_id

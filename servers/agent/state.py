@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
+import secrets
 from dataclasses import dataclass, field
 
 import grpc
@@ -119,6 +120,9 @@ class EpisodeState:
     """The resources session's snapshot that the last `SeedSession`, `CallTool` or `Step` reply carried
     (`EpisodeLoop.snapshots_in_replies`), None if it carried none; durable resume saves it with the
     boundary instead of calling `CheckpointSession` (not checkpointed itself)."""
+    run_nonce: str = ""
+    """Set once this run started the episode over (`start_over`): its model calls get request ids of
+    their own, so no generation of an earlier run is replayed into the fresh session."""
 
     def __post_init__(self) -> None:
         if not ROLLOUT_ID.fullmatch(self.rollout_id):
@@ -139,7 +143,18 @@ class EpisodeState:
 
     def request_id(self, step: int) -> str:
         """Model de-duplication key of `step`: a repeated call returns the first generation."""
-        return f"{self.label}/step{step}"
+        return f"{self.label}/step{step}/{self.run_nonce}" if self.run_nonce else f"{self.label}/step{step}"
+
+    def start_over(self) -> None:
+        """Back to NEW, for a fresh session: what the runs so far did is dropped; `restart_count` grows."""
+        self.phase, self.step, self.next_tool_index = Phase.NEW, 0, 0
+        self.tools, self.messages, self.pending_tool_calls = [], [], []
+        self.model_calls, self.tool_calls = [], []
+        self.usage = common_pb2.Usage()
+        self.stop_reason = agent_pb.STOP_REASON_UNSPECIFIED
+        self.verify = self.session_snapshot = None
+        self.restart_count += 1
+        self.run_nonce = secrets.token_hex(4)
 
     @staticmethod
     def turn_id(step: int) -> str:

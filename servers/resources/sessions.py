@@ -90,6 +90,9 @@ class Slot:
     last_change: str = ""
     """De-duplication key of the call that last changed the session (`seed` after seeding, "" once a
     verify ran): a retry of that call may still export the state right after it (`after`)."""
+    unrepeated: set[str] | None = None
+    """In a replay (the seed retried after the session changed: a retried run), the keys of the
+    earlier run's calls this run has not asked again; None outside a replay."""
 
 
 class SessionHost:
@@ -162,6 +165,8 @@ class SessionHost:
         existing = self._slots.get(session_id)
         if existing is not None:
             if existing.seed_fingerprint == fingerprint and existing.episode == episode:
+                if existing.last_change != SEED:  # a retried run: it must repeat what changed the session
+                    existing.unrepeated = set(existing.results)
                 return existing.seed_reply
             raise AlreadyExists(
                 f"session {session_id!r} was already seeded with another task or episode",
@@ -225,9 +230,10 @@ class SessionHost:
             key = f"call:{call_id}"
             known = slot.results.get(key) if call_id else None
             if known is not None:
-                _check_retry(known, digest, session_id, "tool call id", call_id, "another tool name or arguments")
+                _check_retry(slot, key, known, digest, session_id, "another tool name or arguments")
                 result = known.result
             else:
+                _check_replay(slot, session_id, key)
                 self._changing(session_id, slot)
                 slot.last_change = key  # from here on the session may differ from before this call
                 if bad_arguments is not None:
@@ -253,9 +259,10 @@ class SessionHost:
             digest = request_digest(text)
             known = slot.results.get(key) if turn_id else None
             if known is not None:
-                _check_retry(known, digest, session_id, "turn_id", turn_id, "other text")
+                _check_retry(slot, key, known, digest, session_id, "other text")
                 result = known.result
             else:
+                _check_replay(slot, session_id, key)
                 self._changing(session_id, slot)
                 slot.last_change = key  # from here on the session may differ from before this turn
                 try:
@@ -292,6 +299,7 @@ class SessionHost:
     async def verify(self, session_id: str, episode: EpisodeKey, messages: Sequence[Mapping[str, Any]]) -> VerifyResult:
         slot = self.slot(session_id, episode)
         async with slot.lock:
+            _check_replay(slot, session_id, "verify")
             self._changing(session_id, slot)
             slot.last_change = ""  # an environment's verify may change the session
             try:
@@ -385,13 +393,45 @@ class SessionHost:
             self._closed.pop(session_id, None)
 
 
-def _check_retry(known: Reply, digest: bytes, session_id: str, what: str, key: str, other: str) -> None:
-    """ALREADY_EXISTS for a call that reuses a known id but asks something else (`REQUEST_ID_REUSED`)."""
+def _check_retry(slot: Slot, key: str, known: Reply, digest: bytes, session_id: str, other: str) -> None:
+    """A known key's first reply goes to a retry of its call only: another call under it is refused
+    (`REQUEST_ID_REUSED`; in a replay `REPLAY_DIVERGENCE`: the retried run went another way)."""
+    kind, _, ident = key.partition(":")
+    what = "tool call id" if kind == "call" else "turn_id"
     if known.digest and digest and known.digest != digest:
+        metadata = {"session_id": session_id, "id": ident[:140]}
+        if slot.unrepeated is not None:
+            raise FailedPrecondition(
+                f"a retried run of session {session_id!r} sent {what} {ident[:140]!r} with {other} than the "
+                "earlier run: the agent or its model's replies are not deterministic; nothing was run "
+                "(DiscardSession starts the episode over)",
+                reason="REPLAY_DIVERGENCE",
+                metadata=metadata,
+            )
         raise AlreadyExists(
-            f"{what} {key[:140]!r} of session {session_id!r} was already used by a call with {other}; a retry "
+            f"{what} {ident[:140]!r} of session {session_id!r} was already used by a call with {other}; a retry "
             "must resend the same call, a new call needs a new id (its first result is not the answer to this "
             "one); nothing was run",
             reason="REQUEST_ID_REUSED",
-            metadata={"session_id": session_id, "id": key[:140]},
+            metadata=metadata,
         )
+    if slot.unrepeated:
+        slot.unrepeated.discard(key)
+
+
+def _check_replay(slot: Slot, session_id: str, key: str) -> None:
+    """In a replay, a call the earlier run did not make waits for every call it made: the session holds
+    their effects, so before they are repeated a new call would act on a state this run never saw."""
+    if not slot.unrepeated:
+        return
+    kind, _, ident = key.partition(":")
+    what = {"call": f"tool call {ident[:140]!r}", "turn": f"turn {ident[:140]!r}"}.get(kind, kind)
+    examples = ", ".join(sorted(k.partition(":")[2][:40] for k in slot.unrepeated)[:3])
+    raise FailedPrecondition(
+        f"a retried run of session {session_id!r} asked {what}, which the earlier run did not, while "
+        f"{len(slot.unrepeated)} of the earlier run's calls are not repeated yet (ids {examples}): the "
+        "session holds their effects, so the agent or its model's replies are not deterministic; nothing was "
+        "run (DiscardSession starts the episode over)",
+        reason="REPLAY_DIVERGENCE",
+        metadata={"session_id": session_id, "id": ident[:140], "unrepeated": str(len(slot.unrepeated))},
+    )

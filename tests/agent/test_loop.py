@@ -184,6 +184,44 @@ def test_missing_or_repeated_tool_call_ids_are_made_unique() -> None:
     assert t.reward == 1.0  # the third increment ran instead of replaying the first one's result
 
 
+def test_a_retried_run_that_replays_repeats_the_earlier_runs_calls_and_goes_on() -> None:
+    resources, task = counter_resources(), counter_task("x", 0, 3)
+    add = reply(calls=[("a", "increment_counter", '{"count": 3}')])
+    first = EpisodeState("r1", 0, task, 8)
+
+    async def main() -> agent_pb.Trajectory:
+        loop = _loop(resources, ScriptedModel(add))
+        for _ in range(3):  # seed, model call, tool call: then the process dies (nothing is closed)
+            await loop.advance(first)
+        return await _loop(resources, ScriptedModel(add, reply("done"))).run(EpisodeState("r1", 0, task, 8))
+
+    t = asyncio.run(main())
+    assert (t.reward, t.restart_count) == (1.0, 0)  # the increment ran once
+    assert "DiscardSession" not in resources.methods()
+
+
+def test_a_retried_run_that_goes_another_way_starts_over_in_a_fresh_session() -> None:
+    resources, task = counter_resources(), counter_task("x", 0, 3)
+    first = EpisodeState("r1", 0, task, 8)
+    add = reply(calls=[("b", "increment_counter", '{"count": 3}')])
+    retried = ScriptedModel(add, add, reply("done"))  # the earlier run's generation is gone: another one
+
+    async def main() -> agent_pb.Trajectory:
+        loop = _loop(resources, ScriptedModel(reply(calls=[("a", "increment_counter", '{"count": 2}')])))
+        for _ in range(3):  # seed, model call, tool call (+2): then the process dies
+            await loop.advance(first)
+        return await _loop(resources, retried).run(EpisodeState("r1", 0, task, 8))
+
+    t = asyncio.run(main())
+    assert (t.reward, t.restart_count) == (1.0, 1)  # 3, not 2 + 3: the earlier run's session was dropped
+    assert [r.call.id for r in t.tool_calls] == ["b"]
+    assert resources.methods().count("DiscardSession") == 1
+    ids = [r.request_id for r in retried.requests]
+    assert ids[0] == "r1/a0/step0"
+    assert ids[1].startswith("r1/a0/step0/")  # the fresh run's own request ids
+    assert ids[2] == ids[1].replace("step0", "step1")
+
+
 def test_text_turns_go_to_step_until_terminated() -> None:
     resources = blackjack_resources()
     t = _run(resources, fake_model(), blackjack_tasks(seed=7)[0], text_turns=True)

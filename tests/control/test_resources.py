@@ -17,7 +17,7 @@ from gymrpc.control import store as store_module
 from gymrpc.envkit import CheckpointMode, Environment, Session, TaskSpec, ToolResult, ToolSpec, VerifyResult
 from gymrpc.envs.blackjack import BlackjackEnvironment
 from gymrpc.envs.counter import CounterEnvironment
-from gymrpc.errors import AlreadyExists, DataLoss, GymrpcError
+from gymrpc.errors import AlreadyExists, DataLoss, FailedPrecondition, GymrpcError
 from gymrpc.servers.resources.participant import ResourcesParticipant, _reply, gate_servicer
 from gymrpc.servers.resources.service import ResourcesServicer
 from gymrpc.v1 import checkpoint_records_pb2 as rec_pb
@@ -212,6 +212,38 @@ def test_a_known_call_id_asking_another_call_is_refused_also_after_a_restore(tmp
         assert await fresh.add("r0", 5, attempt=1, call_id="old") == "kept"
         for server in (first, fresh):
             await server.close()
+
+    run(main())
+
+
+def test_a_retried_run_must_repeat_the_calls_that_changed_its_session_before_any_other() -> None:
+    async def diverged(call: Any) -> FailedPrecondition:
+        with pytest.raises(FailedPrecondition) as caught:
+            await call
+        assert caught.value.reason == "REPLAY_DIVERGENCE"
+        return caught.value
+
+    async def main() -> None:
+        server = Server(CounterEnvironment())
+        task = counter_task("t", 0, 3)
+        await server.seed("r0", task)
+        await server.seed("r0", task)  # a retried seed before anything changed: no replay
+        assert await server.add("r0", 1, call_id="c0") == '{"success": true}'
+        await server.add("r0", 2, call_id="c1")
+        await server.seed("r0", task)  # a retried run: the session changed since its seed
+        error = await diverged(server.add("r0", 5, call_id="c9"))
+        assert error.metadata == {"session_id": "r0-s", "id": "c9", "unrepeated": "2"}
+        assert "c0, c1" in error.message
+        await diverged(server.verify("r0"))
+        await diverged(server.add("r0", 7, call_id="c1"))  # a recorded id asking something else
+        assert await server.add("r0", 1, call_id="c0") == '{"success": true}'  # repeated: its first result
+        error = await diverged(server.add("r0", 5, call_id="c9"))
+        assert error.metadata["unrepeated"] == "1"
+        await server.add("r0", 2, call_id="c1")
+        await server.add("r0", 5, call_id="c9")  # every recorded call repeated: the run goes on live
+        assert await server.value("r0") == 1 + 2 + 5
+        assert await server.verify("r0") == 0.0
+        await server.close()
 
     run(main())
 

@@ -24,7 +24,7 @@ import pytest
 from gymrpc import auth
 from gymrpc.channels import bearer_interceptors
 from gymrpc.client import Client
-from gymrpc.errors import AlreadyExists, FailedPrecondition
+from gymrpc.errors import FailedPrecondition
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import agent_service_pb2_grpc as agent_grpc
 from tests.resume.helpers import crash_env, expected_count, task
@@ -161,22 +161,22 @@ def test_a_non_deterministic_agent_gets_the_divergence_error_naming_the_position
     assert stats["recorded"] == 3
 
 
-def test_a_retried_run_that_sends_another_call_under_a_recorded_id_is_refused_not_given_its_result(
+def test_a_retried_run_that_sends_another_call_under_a_recorded_id_gets_the_divergence_error_not_its_result(
     start_stack: Any, run_dir: Path
 ) -> None:
     marker = run_dir / "own.crashed"
     own = kit("agent/own", "tests.frontdoor.agents:picks_its_own_arguments", env=crash_env("after_tool:0", marker))
     start_stack(config(run_dir, own))
 
-    async def scenario() -> AlreadyExists:
+    async def scenario() -> FailedPrecondition:
         async with Client(run_dir=run_dir) as client:
-            with pytest.raises(AlreadyExists) as caught:
+            with pytest.raises(FailedPrecondition) as caught:
                 await client.run(task(2), episode_id="own", policy_version="p", agent="agent/own", timeout=120)
             return caught.value
 
     error = asyncio.run(scenario())
     assert marker.exists()  # the first run applied its increment, then died
-    assert error.reason == "REQUEST_ID_REUSED"
+    assert error.reason == "REPLAY_DIVERGENCE"
     assert error.metadata["id"] == "kit_0"
     assert "another tool name or arguments" in error.message
 

@@ -200,8 +200,12 @@ export enum ErrorReason {
   /**
    * A retried agent run asked the model something other than the recorded
    * call at the same position (its code is not deterministic); the metadata
-   * names the `position` and the first differing `field`. Code
-   * FAILED_PRECONDITION.
+   * names the `position` and the first differing `field`. Also the resources
+   * role's answer to a retried run (its session seeded again after it
+   * changed) that asks a call the earlier run did not make while calls the
+   * earlier run made are not asked again; the metadata names the
+   * `session_id`, the call's `id` and how many recorded calls are
+   * `unrepeated`. Code FAILED_PRECONDITION.
    *
    * @generated from enum value: ERROR_REASON_REPLAY_DIVERGENCE = 24;
    */
