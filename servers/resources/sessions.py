@@ -420,18 +420,18 @@ def _check_retry(slot: Slot, key: str, known: Reply, digest: bytes, session_id: 
 
 
 def _check_replay(slot: Slot, session_id: str, key: str) -> None:
-    """In a replay, a call the earlier run did not make waits for every call it made: the session holds
-    their effects, so before they are repeated a new call would act on a state this run never saw."""
+    """In a replay, a call the earlier run did not make (or a verify) is refused until every keyed call
+    it made is repeated: the session holds their effects, which this run has not seen."""
     if not slot.unrepeated:
         return
     kind, _, ident = key.partition(":")
-    what = {"call": f"tool call {ident[:140]!r}", "turn": f"turn {ident[:140]!r}"}.get(kind, kind)
+    asked = {"call": f"tool call {ident[:140]!r}", "turn": f"turn {ident[:140]!r}"}.get(kind)
+    asked = f"asked {asked}, which the earlier run did not," if asked else "asked for its reward"
     examples = ", ".join(sorted(k.partition(":")[2][:40] for k in slot.unrepeated)[:3])
     raise FailedPrecondition(
-        f"a retried run of session {session_id!r} asked {what}, which the earlier run did not, while "
-        f"{len(slot.unrepeated)} of the earlier run's calls are not repeated yet (ids {examples}): the "
-        "session holds their effects, so the agent or its model's replies are not deterministic; nothing was "
-        "run (DiscardSession starts the episode over)",
+        f"a retried run of session {session_id!r} {asked} while {len(slot.unrepeated)} of the earlier run's "
+        f"calls are not repeated yet (ids {examples}): the session holds their effects, so the agent or its "
+        "model's replies are not deterministic; nothing was run (DiscardSession starts the episode over)",
         reason="REPLAY_DIVERGENCE",
         metadata={"session_id": session_id, "id": ident[:140], "unrepeated": str(len(slot.unrepeated))},
     )
