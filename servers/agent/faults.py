@@ -13,10 +13,9 @@ omitted). `unsaved_tool[:N]` kills it as soon as tool call N has returned, befor
 agent has waited for the save of the boundary before it (`EpisodeStore.begin_save`),
 which may or may not have reached the disk. `during_verify` kills it after the resources
 server has served `Verify` but before the agent has seen the reply, so the work is done
-and its result is lost; `during_tool[:N]` (agent functions, `gymrpc.agentkit`) likewise
-for tool call N. The marker file is created (O_EXCL) before the kill; a process that
-finds it does not crash, so the restarted agent finishes the episode. Never set these in
-production.
+and its result is lost; `during_tool[:N]` likewise for tool call N of an episode. The
+marker file is created (O_EXCL) before the kill; a process that finds it does not crash, so
+the restarted agent finishes the episode. Never set these in production.
 """
 
 from __future__ import annotations
@@ -72,10 +71,20 @@ class CrashPlan:
 
 
 class CrashingResources:
-    """A resources stub whose `Verify` kills the agent once the reply has arrived (`during_verify`)."""
+    """A resources stub that kills the agent once the reply of a `Verify` (`during_verify`) or of an
+    episode's tool call N (`during_tool[:N]`) has arrived: the work is done, its result lost."""
 
     def __init__(self, stub: Any, plan: CrashPlan) -> None:
         self._stub, self._plan = stub, plan
+        self._tool_calls: dict[str, int] = {}
+        """Tool calls made so far, by session id (test runs hold few sessions)."""
+
+    async def CallTool(self, request: Any, **kwargs: Any) -> Any:
+        reply = await self._stub.CallTool(request, **kwargs)
+        index = self._tool_calls.get(request.session_id, 0)
+        self._tool_calls[request.session_id] = index + 1
+        self._plan.at("during_tool", index)
+        return reply
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stub, name)

@@ -8,6 +8,8 @@ gets the same reply (idempotent per request id by construction):
 - no tools offered (blackjack, a text-turn game): `<action>stand</action>`.
 Markers in the first user message inject model mistakes before the plan:
 `[fake:unknown-tool]`, `[fake:bad-args]`, `[fake:nameless]`, `[fake:empty]`, `[fake:length]`.
+`[fake:sampled]` gives every generation's tool call a fresh random id, as a sampling model's
+generations differ: a repeated request is then not answered with the same reply.
 
 Served as its own process: `python -m tests.agent.fake_model --name model/policy --registry ...`.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import secrets
 from dataclasses import dataclass
 
 import grpc
@@ -71,7 +74,9 @@ def reply_for(request: pb.GenerateRequest) -> pb.GenerateResponse:
     message = common_pb2.Message(role=common_pb2.ROLE_ASSISTANT, content=action.content)
     finish = action.finish_reason
     if action.tool is not None:
-        message.tool_calls.add(id=f"fake_{step}", name=action.tool, arguments_json=action.arguments)
+        sampled = any("[fake:sampled]" in m.content for m in request.messages if m.role == common_pb2.ROLE_USER)
+        call_id = f"fake_{step}_{secrets.token_hex(4)}" if sampled else f"fake_{step}"
+        message.tool_calls.add(id=call_id, name=action.tool, arguments_json=action.arguments)
         finish = common_pb2.FINISH_REASON_TOOL_CALLS
     prompt = [len(m.content) % 1000 for m in request.messages]
     completion = list((action.content + (action.tool or "") + action.arguments).encode())[:32]

@@ -15,7 +15,7 @@ from typing import Any
 from gymrpc.client import Client
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import common_pb2
-from tests.agent.fakes import counter_tasks
+from tests.agent.fakes import counter_task, counter_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL_MODEL = (ROOT / "servers" / "model" / "__main__.py").exists()
@@ -62,6 +62,45 @@ def test_agent_process_runs_counter_tasks_and_follows_restarts(start_stack: Any)
         stack.kill(name)
         stack.wait_for(name, lambda s: s["restarts"] >= 1 and s["state"] == "serving")
     assert asyncio.run(_rewards(stack.run_dir, "after-restarts")) == [1.0] * 5
+
+
+def test_a_retried_run_whose_model_answers_otherwise_starts_over_instead_of_applying_twice(
+    start_stack: Any, run_dir: Path
+) -> None:
+    # The agent is SIGKILLed once its first increment has run; its retried run gets another generation
+    # (fresh call ids, as from a sampling model whose generations were lost), so it cannot replay the
+    # earlier run's calls: it starts over in a fresh session rather than add 2 twice to the same counter.
+    marker = run_dir / "agent.crashed"
+    agent = {
+        "name": "agent/simple",
+        "role": "agent",
+        "args": {"resources": "resources/counter", "model": "model/policy", "max_steps": 8},
+        "env": {"GYMRPC_CRASH_AT": "during_tool:0", "GYMRPC_CRASH_MARKER": str(marker)},
+    }
+    start_stack(
+        {
+            "restart": {"max_restarts": 5, "window_seconds": 60, "backoff_seconds": 0.05},
+            "servers": [
+                {"name": "resources/counter", "role": "resources", "args": {"environment": "counter"}},
+                {"name": "model/policy", "role": "tests.agent.fake_model"},
+                agent,
+            ],
+        }
+    )
+    task = counter_task("[fake:sampled] add 2 then add 3 then get the count", 0, 5)
+
+    async def run() -> agent_pb.Trajectory:
+        async with Client(run_dir=run_dir) as client:
+            return await client.run(task, episode_id="sampled", policy_version="", agent="agent/simple", timeout=120)
+
+    t = asyncio.run(run())
+    assert marker.exists()
+    assert (t.reward, t.restart_count) == (1.0, 1)
+    assert [(c.call.name, c.output) for c in t.tool_calls] == [
+        ("increment_counter", '{"success": true}'),
+        ("increment_counter", '{"success": true}'),
+        ("get_counter_value", '{"count": 5}'),
+    ]
 
 
 def test_cli_refuses_to_start_without_a_registry() -> None:

@@ -2,8 +2,8 @@
 
 One stack holds an uninterrupted agent and one agent per crash point, each with its own
 resume folder and fault injection (`gymrpc.servers.agent.faults`): the agent kills itself right
-after the durable save at that boundary (or while `Verify` is served, or once a tool call ran
-while the boundary before it was still being saved), once. The supervisor
+after the durable save at that boundary (or while `Verify` is served, once a tool call ran
+while the boundary before it was still being saved, or once a tool call's reply arrived), once. The supervisor
 restarts it on a new port under the same name; the trainer's pending `Client.run` follows
 the name, the restarted agent resumes from the record, and the result matches the baseline.
 """
@@ -25,6 +25,7 @@ CRASHES = {
     "agent/tool": "after_tool:0",  # mid-turn: one increment applied, one pending
     "agent/unsaved": "unsaved_tool:0",  # the same increment applied, the boundary before it maybe not saved
     "agent/read": "after_tool:2",  # after the read, before the final answer
+    "agent/lost-reply": "during_tool:1",  # the second increment applied, its reply lost with the process
     "agent/verify": "during_verify",
 }
 
