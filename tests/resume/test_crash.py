@@ -3,9 +3,10 @@
 One stack holds an uninterrupted agent and one agent per crash point, each with its own
 resume folder and fault injection (`gymrpc.servers.agent.faults`): the agent kills itself right
 after the durable save at that boundary (or while `Verify` is served, once a tool call ran
-while the boundary before it was still being saved, or once a tool call's reply arrived), once. The supervisor
-restarts it on a new port under the same name; the trainer's pending `Client.run` follows
-the name, the restarted agent resumes from the record, and the result matches the baseline.
+while the boundary before it was still being saved, or once a tool call's reply arrived),
+once. The supervisor restarts it on a new port under the same name; the trainer's pending
+`Client.run` follows the name, the restarted agent resumes from the record, and the result
+matches the baseline.
 """
 
 from __future__ import annotations
