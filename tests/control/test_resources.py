@@ -182,19 +182,24 @@ def test_blackjack_restores_its_deck(tmp_path: Path) -> None:
     run(main())
 
 
+async def refused(call: Any, error: type[GymrpcError], why: str) -> GymrpcError:
+    """The error `call` raises, checked to be an `error` with reason `why`."""
+    with pytest.raises(error) as caught:
+        await call
+    assert caught.value.reason == why
+    return caught.value
+
+
 def test_a_known_call_id_asking_another_call_is_refused_also_after_a_restore(tmp_path: Path) -> None:
-    async def refused(call: Any) -> AlreadyExists:
-        with pytest.raises(AlreadyExists) as caught:
-            await call
-        assert caught.value.reason == "REQUEST_ID_REUSED"
-        return caught.value
+    def reused(call: Any) -> Any:
+        return refused(call, AlreadyExists, "REQUEST_ID_REUSED")
 
     async def main() -> None:
         first = Server(CounterEnvironment())
         await first.seed("r0", counter_task("t", 0, 3))
         assert await first.add("r0", 1, call_id="c0") == '{"success": true}'
         assert await first.add("r0", 1, call_id="c0") == '{"success": true}'  # a retry: its first result
-        error = await refused(first.add("r0", 2, call_id="c0"))
+        error = await reused(first.add("r0", 2, call_id="c0"))
         assert error.metadata == {"session_id": "r0-s", "id": "c0"}
         assert "nothing was run" in error.message
         assert await first.value("r0") == 1
@@ -204,7 +209,7 @@ def test_a_known_call_id_asking_another_call_is_refused_also_after_a_restore(tmp
         await fresh.plane.restore("x1", soon(), str(tmp_path), [EpisodeKey("r0", 0)])
         await fresh.plane.resume("x1")
         assert await fresh.add("r0", 1, attempt=1, call_id="c0") == '{"success": true}'
-        await refused(fresh.add("r0", 2, attempt=1, call_id="c0"))
+        await reused(fresh.add("r0", 2, attempt=1, call_id="c0"))
         assert await fresh.value("r0", 1) == 1
         # A reply restored from a record written before digests were kept answers any retry of its id.
         slot = fresh.servicer.host.live()["r0-s"]
@@ -217,11 +222,8 @@ def test_a_known_call_id_asking_another_call_is_refused_also_after_a_restore(tmp
 
 
 def test_a_retried_run_must_repeat_the_calls_that_changed_its_session_before_any_other() -> None:
-    async def diverged(call: Any) -> FailedPrecondition:
-        with pytest.raises(FailedPrecondition) as caught:
-            await call
-        assert caught.value.reason == "REPLAY_DIVERGENCE"
-        return caught.value
+    def diverged(call: Any) -> Any:
+        return refused(call, FailedPrecondition, "REPLAY_DIVERGENCE")
 
     async def main() -> None:
         server = Server(CounterEnvironment())
@@ -259,10 +261,8 @@ def test_a_known_turn_id_with_other_text_is_refused() -> None:
         await server.seed("b0", blackjack_tasks(seed=7)[0])
         first = await turn(server, "stand")
         assert await turn(server, "stand") == first
-        with pytest.raises(AlreadyExists) as caught:
-            await turn(server, "hit")
-        assert caught.value.reason == "REQUEST_ID_REUSED"
-        assert "other text" in caught.value.message
+        error = await refused(turn(server, "hit"), AlreadyExists, "REQUEST_ID_REUSED")
+        assert "other text" in error.message
         await server.close()
 
     run(main())
