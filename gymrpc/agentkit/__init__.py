@@ -26,9 +26,9 @@ recorded result of every known call id, so nothing is generated or applied twice
 run goes live at the first call past the record. The function must be deterministic given
 the responses it gets (as a Temporal workflow must); one that is not fails with
 REPLAY_DIVERGENCE unless it opted into `divergence="go_live"`. The resources role answers
-REPLAY_DIVERGENCE in either mode to a tool call the earlier run did not make (another call
-under a recorded id, or a new call while recorded ones are not repeated yet): the session
-holds the earlier run's effects.
+REPLAY_DIVERGENCE to a tool call the earlier run did not make (another call under a recorded
+id, or a new call while recorded ones are not repeated yet), since the session holds the
+earlier run's effects: the run fails, or with go_live runs again in a fresh session.
 """
 
 from gymrpc.agentkit.episode import Episode, ToolCaller, ToolOutput

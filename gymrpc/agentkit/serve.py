@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--divergence",
         choices=("fail", "go_live"),
         default="fail",
-        help="a retried run that asks something other than the record: fail (default) or go on live",
+        help="a retried run that asks something other than the record: fail (default) or go on live "
+        "(in a fresh session when the resources role refuses a tool call the earlier run did not make)",
     )
     return parser
 

@@ -212,14 +212,38 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
         return str(urls[pick])
 
     async def run(self, request: agent_pb.RunRequest, episode: EpisodeKey) -> agent_pb.Trajectory:
-        import openai
-
+        """The function run once; with `divergence="go_live"`, once more in a fresh session if the
+        resources role refused a tool call the earlier run did not make (its session holds that
+        run's effects, which going on live would build on)."""
         task = request.task
         if not task.input:
             raise InvalidArgument(
                 "task.input is empty: an episode starts from at least one message", metadata={"field": "task.input"}
             )
         env = parse_json_object(task.env_json, "task.env_json")
+        session = session_id_of(episode)
+        try:
+            return await self._run_function(request, episode, env)
+        except FailedPrecondition as err:
+            diverged = err.reason == "REPLAY_DIVERGENCE" and err.metadata.get("session_id") == session
+            if self.divergence != "go_live" or not diverged:
+                raise
+            log.warning(
+                "the retried run went another way than the earlier one; running it again in a fresh session",
+                extra={"episode": f"{episode.rollout_id}/a{episode.attempt}", "error": err.message},
+            )
+        discard = resources_pb.DiscardSessionRequest(session_id=session, episode_id=episode.to_pb())
+        await self._resources("DiscardSession", discard)
+        trajectory = await self._run_function(request, episode, env)
+        trajectory.restart_count = 1
+        return trajectory
+
+    async def _run_function(
+        self, request: agent_pb.RunRequest, episode: EpisodeKey, env: dict[str, Any]
+    ) -> agent_pb.Trajectory:
+        import openai
+
+        task = request.task
         session = session_id_of(episode)
         episode_pb = episode.to_pb()
         seeded = await self._resources(

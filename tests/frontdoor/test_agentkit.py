@@ -161,24 +161,36 @@ def test_a_non_deterministic_agent_gets_the_divergence_error_naming_the_position
     assert stats["recorded"] == 3
 
 
-def test_a_retried_run_that_sends_another_call_under_a_recorded_id_gets_the_divergence_error_not_its_result(
+def test_a_retried_run_that_sends_another_call_under_a_recorded_id_fails_or_goes_live_in_a_fresh_session(
     start_stack: Any, run_dir: Path
 ) -> None:
-    marker = run_dir / "own.crashed"
-    own = kit("agent/own", "tests.frontdoor.agents:picks_its_own_arguments", env=crash_env("after_tool:0", marker))
-    start_stack(config(run_dir, own))
+    # The function draws its increment itself, so its retried run sends another call as `kit_0`.
+    own = "tests.frontdoor.agents:picks_its_own_arguments"
+    agents = [
+        kit("agent/own", own, env=crash_env("after_tool:0", run_dir / "own.crashed")),
+        kit("agent/own-live", own, env=crash_env("after_tool:0", run_dir / "live.crashed"), divergence="go_live"),
+    ]
+    start_stack(config(run_dir, *agents))
+    t = task(2)
 
-    async def scenario() -> FailedPrecondition:
+    async def scenario() -> tuple[FailedPrecondition, agent_pb.Trajectory]:
         async with Client(run_dir=run_dir) as client:
             with pytest.raises(FailedPrecondition) as caught:
-                await client.run(task(2), episode_id="own", policy_version="p", agent="agent/own", timeout=120)
-            return caught.value
+                await client.run(t, episode_id="own", policy_version="p", agent="agent/own", timeout=120)
+            live = await client.run(t, episode_id="own-live", policy_version="p", agent="agent/own-live", timeout=120)
+            return caught.value, live
 
-    error = asyncio.run(scenario())
-    assert marker.exists()  # the first run applied its increment, then died
+    error, live = asyncio.run(scenario())
+    assert (run_dir / "own.crashed").exists()  # the first run applied its increment, then died
     assert error.reason == "REPLAY_DIVERGENCE"
     assert error.metadata["id"] == "kit_0"
     assert "another tool name or arguments" in error.message
+    # go_live: the function ran again in a fresh session, which holds its own increment only.
+    assert (run_dir / "live.crashed").exists()
+    assert live.restart_count == 1
+    increment, read = live.tool_calls
+    added = json.loads(increment.call.arguments_json)["count"]
+    assert json.loads(read.output)["count"] == json.loads(t.env_json)["initial_count"] + added
 
 
 def test_the_model_server_killed_mid_episode_still_answers_from_its_record(start_stack: Any, run_dir: Path) -> None:
