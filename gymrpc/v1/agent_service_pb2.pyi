@@ -313,7 +313,9 @@ class Trajectory(_message.Message):
     resume_count: _builtins.int
     """Times this episode was continued from a checkpoint."""
     restart_count: _builtins.int
-    """Times this episode was started over (for example after a policy change)."""
+    """Times this episode was started over (for example after a policy change,
+    or a retried run that went another way than the run it replayed).
+    """
     policy_version: _builtins.str
     """Weights version the episode was run with."""
     failovers: _builtins.int

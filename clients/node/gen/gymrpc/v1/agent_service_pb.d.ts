@@ -283,7 +283,8 @@ export declare type Trajectory = Message<"gymrpc.v1.Trajectory"> & {
   resumeCount: number;
 
   /**
-   * Times this episode was started over (for example after a policy change).
+   * Times this episode was started over (for example after a policy change,
+   * or a retried run that went another way than the run it replayed).
    *
    * @generated from field: uint32 restart_count = 12;
    */
