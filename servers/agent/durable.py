@@ -247,7 +247,7 @@ class DurableEpisodes:
                     # was deleted, say by `gymrpc episodes delete`): no saved boundary is its state, so
                     # it goes, and the episode is seeded afresh.
                     log.warning("a session left by an earlier run is discarded", extra={"episode": state.label})
-                    await self._discard_session(state)
+                    await self.loop.discard_session(state)
                     continue
                 if recovery == SESSION_RECOVERIES or not _session_lost(err, state):
                     raise
@@ -264,10 +264,6 @@ class DurableEpisodes:
                 self._crash_point(phase, state)
             return message, saving
         raise AssertionError("unreachable")
-
-    async def _discard_session(self, state: EpisodeState) -> None:
-        request = resources_pb.DiscardSessionRequest(session_id=state.session_id, episode_id=state.episode_id)
-        await self.loop.call_resources("DiscardSession", request)
 
     async def _snapshot(self, state: EpisodeState) -> common_pb2.SessionSnapshot:
         """The session's state after the transition: the one its reply carried, else a `CheckpointSession`

@@ -117,9 +117,13 @@ class EpisodeLoop:
             "the retried run went another way than the earlier one; starting the episode over in a fresh session",
             extra={"episode": state.label, "error": err.message},
         )
+        await self.discard_session(state)
+        state.start_over()
+
+    async def discard_session(self, state: EpisodeState) -> None:
+        """Drop the episode's resources session, whatever it holds (the next seed makes a fresh one)."""
         request = resources_pb.DiscardSessionRequest(session_id=state.session_id, episode_id=state.episode_id)
         await self.call_resources("DiscardSession", request)
-        state.start_over()
 
     async def run(self, state: EpisodeState) -> agent_pb.Trajectory:
         """Run the episode to the end and return its trajectory."""

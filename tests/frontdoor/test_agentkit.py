@@ -130,27 +130,34 @@ def test_killed_at_every_boundary_kind_the_retried_run_replays_to_the_same_resul
         assert stats[name] == {"generated": 3, "replayed": REPLAYED[name], "recorded": 3}, name
 
 
-def test_a_non_deterministic_agent_gets_the_divergence_error_naming_the_position(
-    start_stack: Any, run_dir: Path
-) -> None:
-    flaky = "tests.frontdoor.agents:not_deterministic"
+def fail_and_go_live(
+    start_stack: Any, run_dir: Path, name: str, entrypoint: str, at: str, t: Any
+) -> tuple[FailedPrecondition, agent_pb.Trajectory, dict[str, int]]:
+    """Two kit agents running `entrypoint`, each SIGKILLed once at `at` (markers `<name>.crashed` and
+    `live.crashed`): the retried run of the default one fails, `go_live`'s completes (with its model stats)."""
     agents = [
-        kit("agent/flaky", flaky, env=crash_env("after_model:0", run_dir / "flaky.crashed")),
-        kit("agent/flaky-live", flaky, env=crash_env("after_model:0", run_dir / "live.crashed"), divergence="go_live"),
+        kit(f"agent/{name}", entrypoint, env=crash_env(at, run_dir / f"{name}.crashed")),
+        kit(f"agent/{name}-live", entrypoint, env=crash_env(at, run_dir / "live.crashed"), divergence="go_live"),
     ]
     start_stack(config(run_dir, *agents))
-    t = task(2)
 
     async def scenario() -> tuple[FailedPrecondition, agent_pb.Trajectory, dict[str, int]]:
         async with Client(run_dir=run_dir) as client:
             with pytest.raises(FailedPrecondition) as caught:
-                await client.run(t, episode_id="flaky", policy_version="p", agent="agent/flaky", timeout=120)
+                await client.run(t, episode_id=name, policy_version="p", agent=f"agent/{name}", timeout=120)
             live = await client.run(
-                t, episode_id="flaky-live", policy_version="p", agent="agent/flaky-live", timeout=120
+                t, episode_id=f"{name}-live", policy_version="p", agent=f"agent/{name}-live", timeout=120
             )
-            return caught.value, live, await episode_stats(client, "flaky-live")
+            return caught.value, live, await episode_stats(client, f"{name}-live")
 
-    error, live, stats = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_non_deterministic_agent_gets_the_divergence_error_naming_the_position(
+    start_stack: Any, run_dir: Path
+) -> None:
+    flaky = "tests.frontdoor.agents:not_deterministic"
+    error, live, stats = fail_and_go_live(start_stack, run_dir, "flaky", flaky, "after_model:0", task(2))
     assert error.reason == "REPLAY_DIVERGENCE"
     assert error.metadata["position"] == "0"
     assert error.metadata["field"] == "messages[0].content"
@@ -166,21 +173,8 @@ def test_a_retried_run_that_sends_another_call_under_a_recorded_id_fails_or_goes
 ) -> None:
     # The function draws its increment itself, so its retried run sends another call as `kit_0`.
     own = "tests.frontdoor.agents:picks_its_own_arguments"
-    agents = [
-        kit("agent/own", own, env=crash_env("after_tool:0", run_dir / "own.crashed")),
-        kit("agent/own-live", own, env=crash_env("after_tool:0", run_dir / "live.crashed"), divergence="go_live"),
-    ]
-    start_stack(config(run_dir, *agents))
     t = task(2)
-
-    async def scenario() -> tuple[FailedPrecondition, agent_pb.Trajectory]:
-        async with Client(run_dir=run_dir) as client:
-            with pytest.raises(FailedPrecondition) as caught:
-                await client.run(t, episode_id="own", policy_version="p", agent="agent/own", timeout=120)
-            live = await client.run(t, episode_id="own-live", policy_version="p", agent="agent/own-live", timeout=120)
-            return caught.value, live
-
-    error, live = asyncio.run(scenario())
+    error, live, _ = fail_and_go_live(start_stack, run_dir, "own", own, "after_tool:0", t)
     assert (run_dir / "own.crashed").exists()  # the first run applied its increment, then died
     assert error.reason == "REPLAY_DIVERGENCE"
     assert error.metadata["id"] == "kit_0"
