@@ -56,8 +56,9 @@ async def update_weights(
     mode: str = "keep",
     request_id: str | None = None,
     timeout: float | None = None,
+    endpoints: Sequence[str] | None = None,
 ) -> weights_service_pb2.UpdateWeightsResponse:
-    """Load new weights into every replica of the model server `name`.
+    """Load new weights into every replica of the model server `name` (or those of `endpoints`).
 
     Args:
         client: a `gymrpc.Client` of the stack (it carries the control token).
@@ -70,6 +71,8 @@ async def update_weights(
         request_id: the update's idempotency key (default: a fresh one; pass your own to
             retry an update across restarts of your own process).
         timeout: overall deadline in seconds (default `UPDATE_TIMEOUT`).
+        endpoints: only these replicas (endpoint ids, `served_by_replica`), for example those a
+            restart left serving other weights.
 
     Raises the `gymrpc.errors` class of the server's refusal: `InvalidArgument`
     (CORRUPT_WEIGHTS, INVALID_REQUEST), `FailedPrecondition` (WEIGHTS_MISMATCH), `Aborted`
@@ -82,7 +85,8 @@ async def update_weights(
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     request_id = request_id or f"weights-{uuid.uuid4().hex}"
     timeout = UPDATE_TIMEOUT if timeout is None else timeout
-    endpoints = [e.endpoint_id for e in await client.registry.resolve(name)]
+    if endpoints is None:
+        endpoints = [e.endpoint_id for e in await client.registry.resolve(name)]
     if path is not None:
         request = weights_service_pb2.UpdateWeightsRequest(
             request_id=request_id, weight_version=weight_version, path=_absolute(path), mode=MODES[mode]
@@ -227,6 +231,14 @@ def policy_lag(oldest: str, current: str, history: Sequence[str] = ()) -> int | 
     if oldest in seen and current in seen:
         return max(0, seen.index(current) - seen.index(oldest))
     return None
+
+
+async def served_by_replica(client: Client, name: str) -> dict[str, str]:
+    """The weight version each replica of the model server `name` serves now, by endpoint id."""
+    request = weights_service_pb2.GetWeightsRequest()
+    ids = [e.endpoint_id for e in await client.registry.resolve(name)]
+    replies = await _each_replica(client, name, lambda stub: stub.GetWeights(request), ids)
+    return {endpoint_id: reply.weight_version for endpoint_id, reply in zip(ids, replies, strict=True)}
 
 
 async def served_versions(client: Client, name: str) -> tuple[str, list[str]]:

@@ -50,8 +50,10 @@ class EpisodeResult:
     """Its policy lag is beyond `max_policy_lag` (kept, flagged; after `stale="restart"`, the last try)."""
     stale_restarts: int = 0
     """Times it was retired as stale and run again as the next attempt (`stale="restart"`)."""
+    reruns: int = 0
+    """Times the `rerun` check of `collect` sent it back and it ran again as the next attempt."""
     attempt: int = 0
-    """The attempt the trajectory is of (the first one's, plus `stale_restarts`)."""
+    """The attempt the trajectory is of (the first one's, plus `stale_restarts` and `reruns`)."""
 
     @property
     def oldest_weight_version(self) -> str:
@@ -137,6 +139,7 @@ def error_json(err: GymrpcError) -> dict[str, str]:
 
 OnResult = Callable[[EpisodeResult], Awaitable[None] | None]
 OnStart = Callable[[RolloutTask, int], None]
+Rerun = Callable[[EpisodeResult], Awaitable[bool] | bool]
 
 
 async def collect(
@@ -158,6 +161,8 @@ async def collect(
     stale: str = "flag",
     model: str = "model/policy",
     max_stale_restarts: int = 3,
+    rerun: Rerun | None = None,
+    max_reruns: int = 3,
 ) -> list[EpisodeResult]:
     """Run every task `repeats` times through `agent`, at most `concurrency` episodes at once.
 
@@ -178,12 +183,19 @@ async def collect(
     attempt (the agent starts it over), at most `max_stale_restarts` times, and reports the last
     try (still flagged if it is stale too). Each reported result is one episode, never two.
 
+    `rerun` (awaited if async) sees each episode that ended with a trajectory, before it is
+    reported; True runs it again as the next attempt (`EpisodeResult.reruns`), at most
+    `max_reruns` times, and the last try is reported whatever it says. The trainer uses it for
+    episodes whose tokens came from weights it did not push (a restarted model server).
+
     Raises `NotFound` at once when `agent` was never registered.
     """
     if concurrency < 1 or repeats < 1:
         raise ValueError(f"concurrency and repeats must be at least 1, got {concurrency} and {repeats}")
     if stale not in ("flag", "restart"):
         raise ValueError(f"stale must be 'flag' or 'restart', got {stale!r}")
+    if max_reruns < 0:
+        raise ValueError(f"max_reruns must be at least 0, got {max_reruns}")
     if max_policy_lag is not None and max_policy_lag < 0:
         raise ValueError(f"max_policy_lag must be at least 0, got {max_policy_lag}")
     prefix = check_prefix(id_prefix) if id_prefix is not None else f"rollout-{uuid.uuid4().hex[:12]}"
@@ -214,9 +226,15 @@ async def collect(
                 result.error = err
             except Exception as exc:  # not a gRPC failure: still an episode that did not finish
                 result.error = UnknownError(f"{type(exc).__name__}: {exc}", reason="COLLECTOR_ERROR")
-            if not (result.stale and stale == "restart" and result.stale_restarts < max_stale_restarts):
+            if result.stale and stale == "restart" and result.stale_restarts < max_stale_restarts:
+                result.stale_restarts += 1
+            elif result.trajectory is not None and rerun is not None and result.reruns < max_reruns:
+                again = rerun(result)
+                if not (await again if inspect.isawaitable(again) else again):
+                    break
+                result.reruns += 1
+            else:
                 break
-            result.stale_restarts += 1
             result.attempt += 1
             result.trajectory, result.stale, result.policy_lag = None, False, None
         result.latency_s = time.perf_counter() - started

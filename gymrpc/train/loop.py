@@ -12,6 +12,11 @@ One iteration k:
    in flight, with the trainer's state (weights, optimizer, data cursor, RNG, the episodes of
    batch k+1 already finished) written into the same folder before it is published.
 
+An episode whose tokens came from weights the trainer never pushed (its model server was
+restarted and came back with its start weights) is not trained on: the trainer pushes its
+current weights again to that replica (`restore_weights`) and the episode runs again as the
+next attempt (`reruns` in the metrics).
+
 `resume` restores the newest published checkpoint into a fresh stack: the trainer loads its
 state, the model server is given the weights it served then, the stack's episodes continue (or
 restart) as attempt N+1, and batch k+1 is completed with the episodes that had not finished.
@@ -38,12 +43,12 @@ from gymrpc.control.trainer_state import TrainerState as StateRef
 from gymrpc.control.trainer_state import read_trainer_state
 from gymrpc.control.types import EpisodeKey
 from gymrpc.controller import CoordinationError, new_checkpoint_id
-from gymrpc.errors import GymrpcError
+from gymrpc.errors import DeadlineExceeded, FailedPrecondition, GymrpcError, Unavailable
 from gymrpc.rollouts.checkpointing import CheckpointingRun, CheckpointKeeper, Saved
 from gymrpc.rollouts.collector import EpisodeResult, collect
 from gymrpc.rollouts.tasks import RolloutTask
 from gymrpc.train.cursor import DataCursor
-from gymrpc.train.samples import Sample, sample_of, with_advantages
+from gymrpc.train.samples import Sample, sample_of, versions_of, with_advantages
 from gymrpc.train.state import Batch, Finished, StateError, TrainerState, read_state, write_state
 from gymrpc.v1 import common_pb2
 
@@ -56,6 +61,7 @@ METRIC_FIELDS = (
     "solved",
     "episodes",
     "failed",
+    "reruns",
     "informative_groups",
     "loss",
     "kl",
@@ -208,6 +214,11 @@ class Trainer:
         another trainer (same version name, maybe other weights) never collides with an old one."""
         self.transfer: Any = None
         """`weight_transfer="nccl"`: the group with the model server, opened at the first push."""
+        self._weights_lock = asyncio.Lock()
+        """Held while weights are pushed: a push and a restore (`restore_weights`) never overlap."""
+        self.restores = 0
+        self._reruns: dict[int, int] = {}
+        """Batch iteration -> its episodes run again because weights this trainer did not push made tokens."""
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -260,17 +271,73 @@ class Trainer:
         """Push `folder` as the next version; returns (seconds, generations kept) and prunes old folders."""
         version = f"{self.config.version_prefix}:{state.updates}"
         started = time.monotonic()
-        reply = await self._update(folder, version)
-        state.weight_version, state.updates = version, state.updates + 1
+        async with self._weights_lock:
+            reply = await self._update(folder, version)
+            state.weight_version, state.updates = version, state.updates + 1
         for old in sorted((self.config.out / "weights").iterdir())[:-2]:  # the served one and the one before
             await asyncio.to_thread(_rmtree, old)
         return time.monotonic() - started, int(getattr(reply, "generations_kept", 0))
 
-    async def _update(self, folder: Path, version: str) -> Any:
+    async def restore_weights(self, state: TrainerState) -> None:
+        """Push the served version again to each replica that serves other weights now.
+
+        A model server restarted by its supervisor comes back with the weights it started from, and
+        every token it makes then is another policy's. Only the folder is read, so a step in progress
+        is not waited for. An NCCL group does not survive the restart: the run stops with the reason.
+        """
+        from gymrpc.weights import served_by_replica
+
+        async with self._weights_lock:
+            served = await served_by_replica(self.client, self.config.model)
+            lost = {endpoint: version for endpoint, version in served.items() if version != state.weight_version}
+            if not lost:
+                return
+            where = ", ".join(f"{endpoint} serves {version!r}" for endpoint, version in sorted(lost.items()))
+            if self.config.weight_transfer == "nccl":
+                raise FailedPrecondition(
+                    f"{self.config.model} lost the weights {state.weight_version!r} ({where}): its NCCL group did "
+                    "not survive the restart; resume from the last joint checkpoint (`gymrpc train run --resume`)",
+                    reason="WEIGHTS_LOST",
+                    metadata={"model": self.config.model, "weight_version": state.weight_version},
+                )
+            self.restores += 1
+            self.progress.line(
+                f"gymrpc train: {self.config.model} restarted ({where}); pushing {state.weight_version} again"
+            )
+            await self._update(
+                self._weights_dir(state.updates - 1),
+                state.weight_version,
+                endpoints=sorted(lost),
+                request_id=f"train-{self.process_nonce}-{state.weight_version}-restore{self.restores}",
+            )
+
+    def foreign_versions(self, trajectory: Any) -> list[str]:
+        """The weight versions in `trajectory` this trainer never pushed (unnamed spans are not counted)."""
+        prefix = self.config.version_prefix
+        return sorted({v for v in versions_of(trajectory) if v and version_number(v, prefix) is None})
+
+    async def _rerun_foreign(self, state: TrainerState, batch: Batch, result: EpisodeResult) -> bool:
+        """True (run it again, as the next attempt) when weights this trainer did not push made its tokens."""
+        assert result.trajectory is not None
+        if not self.foreign_versions(result.trajectory):
+            return False
+        try:
+            await self.restore_weights(state)
+        except (Unavailable, DeadlineExceeded) as exc:  # the replica is not back yet: the next try checks again
+            self.progress.line(f"gymrpc train: could not check the weights {self.config.model} serves: {exc}")
+        rollout_id = result.episode_id
+        self.joint.attempts[rollout_id] = result.attempt + 1
+        self.joint.started(rollout_id)  # in flight again, as the next attempt
+        self._reruns[batch.iteration] = self._reruns.get(batch.iteration, 0) + 1
+        return True
+
+    async def _update(
+        self, folder: Path, version: str, *, endpoints: Sequence[str] | None = None, request_id: str | None = None
+    ) -> Any:
         """Push the weights: the folder (`path`, `stream`), or the policy's tensors, which are the folder's (`nccl`)."""
         from gymrpc.weights import WeightTransfer, update_weights
 
-        request_id = f"train-{self.process_nonce}-{version}"
+        request_id = request_id or f"train-{self.process_nonce}-{version}"
         if self.config.weight_transfer == "nccl":
             if self.transfer is None:
                 self.transfer = await WeightTransfer.open(
@@ -288,6 +355,7 @@ class Trainer:
             mode=self.config.update_mode,
             request_id=request_id,
             timeout=300,
+            endpoints=endpoints,
             **source,  # `folder` is under `out`, which is absolute
         )
 
@@ -331,6 +399,10 @@ class Trainer:
             if result.trajectory is None:
                 batch.failed[rollout_id] = str(result.error)
                 return
+            foreign = self.foreign_versions(result.trajectory)
+            if foreign:  # still, after its reruns: never trained on
+                batch.failed[rollout_id] = f"weights this trainer did not push made its tokens: {', '.join(foreign)}"
+                return
             batch.add(Finished(rollout_id, member.index, member.member, attempt, result.trajectory))
 
         await collect(
@@ -343,6 +415,7 @@ class Trainer:
             attempts=self.joint.attempts,
             on_start=on_start,
             on_result=on_result,
+            rerun=lambda result: self._rerun_foreign(state, batch, result),
         )
         return time.monotonic() - started
 
@@ -433,6 +506,7 @@ class Trainer:
             "solved": sum(r >= 1.0 for r in rewards),
             "episodes": len(rewards),
             "failed": len(batch.failed),
+            "reruns": self._reruns.pop(batch.iteration, 0),
             "informative_groups": sum(len(set(g)) > 1 for g in groups.values()),
             "loss": round(stats.loss, 6),
             "kl": round(stats.kl, 6),
@@ -488,9 +562,10 @@ def version_number(version: str, prefix: str) -> int | None:
 
 
 def progress_line(row: dict[str, Any], iterations: int) -> str:
+    rerun = f", {row['reruns']} rerun" if row.get("reruns") else ""
     return (
         f"iter {row['iteration'] + 1:>3}/{iterations}  reward {row['reward']:.3f} "
-        f"({row['solved']}/{row['episodes']})  groups {row['informative_groups']} informative  "
+        f"({row['solved']}/{row['episodes']}{rerun})  groups {row['informative_groups']} informative  "
         f"loss {row['loss']:+.4f}  kl {row['kl']:+.4f}  clip {row['clipped']:.2f}  lag {row['max_lag']}  "
         f"-> {row['weight_version']} ({row['update_s']:.2f}s, {row['kept']} kept)  "
         f"collect {row['collect_s']:.1f}s  step {row['step_s']:.1f}s"

@@ -82,16 +82,13 @@ def sequences_of(trajectory: agent_pb.Trajectory) -> tuple[TokenSequence, ...]:
 
 
 def sample_of(episode_id: str, group: str, trajectory: agent_pb.Trajectory) -> Sample:
-    return Sample(
-        episode_id,
-        group,
-        float(trajectory.reward),
-        sequences_of(trajectory),
-        tuple(
-            v
-            for c in trajectory.model_calls
-            for v in [s.weight_version for s in c.weight_versions] or [c.weight_version]
-        ),
+    return Sample(episode_id, group, float(trajectory.reward), sequences_of(trajectory), versions_of(trajectory))
+
+
+def versions_of(trajectory: agent_pb.Trajectory) -> tuple[str, ...]:
+    """The weight versions that produced the trajectory's tokens, in order (every span of every model call)."""
+    return tuple(
+        v for c in trajectory.model_calls for v in [s.weight_version for s in c.weight_versions] or [c.weight_version]
     )
 
 

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import gymrpc.envs.counter
 from gymrpc.client import Client
 from gymrpc.rollouts import EpisodeResult, collect, load_tasks
@@ -76,6 +78,33 @@ def test_collect_runs_every_task_and_repeat_within_the_concurrency(start_stack: 
     assert first[0].endswith("-t0-r0")
     assert not set(first) & set(second)
     assert named == ["step7-t0-r0", "step7-t1-r0"]
+
+
+def test_a_rerun_check_runs_an_episode_again_as_its_next_attempt_a_bounded_number_of_times(start_stack: Any) -> None:
+    stack = start_stack(_config())
+    tasks = load_tasks(COUNTER_TASKS)[:3]
+    asked: list[tuple[str, int]] = []
+
+    async def rerun(result: EpisodeResult) -> bool:  # async checks are awaited
+        asked.append((result.episode_id, result.attempt))
+        assert result.trajectory is not None
+        assert result.trajectory.episode_id.attempt == result.attempt
+        return result.episode_id != "example-t0-r0"
+
+    async def main() -> list[EpisodeResult]:
+        async with Client(run_dir=stack.run_dir) as client:
+            with pytest.raises(ValueError, match="max_reruns"):
+                await collect(client, tasks, rerun=rerun, max_reruns=-1)
+            return await collect(client, tasks, agent="agent/simple", rerun=rerun, max_reruns=2)
+
+    results = {r.episode_id: r for r in asyncio.run(main())}
+    assert all(r.ok and r.reward == 1.0 for r in results.values())
+    assert (results["example-t0-r0"].reruns, results["example-t0-r0"].attempt) == (0, 0)
+    for other in ("example-t1-r0", "example-t2-r0"):  # asked after attempts 0 and 1; the last try is reported
+        last = results[other]
+        assert (last.reruns, last.attempt, last.trajectory.episode_id.attempt) == (2, 2, 2)
+        assert [a for e, a in asked if e == other] == [0, 1]
+    assert [a for e, a in asked if e == "example-t0-r0"] == [0]
 
 
 def test_cli_reports_a_failing_episode_and_exits_non_zero(start_stack: Any, tmp_path: Path) -> None:

@@ -1,0 +1,107 @@
+"""A model server SIGKILLed mid-run comes back with the weights it started from. The reference
+trainer notices (its episodes' tokens name weights it never pushed), pushes its current weights
+to that replica again, and runs those episodes again, so no step trains on another policy's tokens.
+
+Real processes (`gymrpc up`: counter resources, scripted model, the built-in agent; the launcher
+restarts what dies); the trainer runs in this process with a stand-in policy (no torch: the loop's
+bookkeeping is under test, not the arithmetic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gymrpc.client import Client
+from gymrpc.envs.counter import example_tasks_path
+from gymrpc.rollouts.tasks import load_tasks
+from gymrpc.testing.safetensors_files import write_safetensors
+from gymrpc.train.loop import Progress, TrainConfig, Trainer
+from gymrpc.train.policy import StepStats
+from gymrpc.train.samples import Sample
+from gymrpc.weights import served_by_replica
+from tests.model.test_weights import TENSORS
+
+MODEL = "model/policy"
+AGENT = "agent/simple"
+
+
+def stack_config(weights: Path) -> dict[str, Any]:
+    return {
+        "restart": {"max_restarts": 5, "window_seconds": 60, "backoff_seconds": 0.05},
+        "servers": [
+            {"name": "resources/counter", "role": "resources", "args": {"environment": "counter"}},
+            {"name": MODEL, "role": "model", "args": {"policy": "counter", "weights": str(weights)}},
+            {"name": AGENT, "role": "agent", "args": {"resources": "resources/counter", "model": MODEL}},
+        ],
+    }
+
+
+class StandInPolicy:
+    """What the loop asks of a policy: a step (which keeps what it was given) and weights to push,
+    the safetensors files of `source` (the model server's own: they pass its tensor check)."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+        self.trained: list[list[Sample]] = []
+
+    def step(self, samples: Sequence[Sample]) -> StepStats:
+        self.trained.append(list(samples))
+        tokens = sum(s.trained_tokens for s in samples)
+        return StepStats(loss=0.0, trained_tokens=tokens, clipped=0.0, kl=0.0, grad_norm=0.0)
+
+    def save_weights(self, folder: Path) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        for file in self.source.glob("*.safetensors"):
+            shutil.copyfile(file, folder / file.name)
+        return folder
+
+
+def test_a_restarted_model_server_gets_the_weights_again_and_no_step_trains_on_its_start_weights(
+    start_stack: Any, run_dir: Path
+) -> None:
+    weights = run_dir / "start"
+    weights.mkdir()
+    write_safetensors(weights / "model.safetensors", TENSORS)
+    stack = start_stack(stack_config(weights))
+    lines: list[str] = []
+
+    def after_iteration(row: dict[str, Any]) -> None:
+        # Strictly on-policy (max_lag 0): the next batch starts after this returns, so every one of
+        # its episodes runs on the restarted server, which serves its start weights.
+        if row["iteration"] == 0:
+            killed = stack.kill(MODEL)
+            stack.wait_for(MODEL, lambda s: s["pid"] != killed and s["state"] == "serving")
+
+    config = TrainConfig(
+        out=run_dir / "out", iterations=3, tasks_per_batch=2, group_size=2, concurrency=4, max_lag=0, agent=AGENT
+    )
+    policy = StandInPolicy(weights)
+
+    async def scenario() -> Trainer:
+        async with Client(run_dir=run_dir) as client:
+            progress = Progress(lines.append, after_iteration)
+            trainer = Trainer(config, client, policy, load_tasks(example_tasks_path()), progress)
+            outcome = await trainer.run()
+            assert outcome.state.iteration == 3
+            served = await served_by_replica(client, MODEL)
+            assert set(served.values()) == {outcome.state.weight_version} == {"grpo:3"}
+            return trainer
+
+    trainer = asyncio.run(scenario())
+    versions = {v for batch in policy.trained for sample in batch for v in sample.versions}
+    assert versions
+    assert all(v.startswith("grpo:") for v in versions), versions
+    assert [len(batch) for batch in policy.trained] == [4, 4, 4]  # every member, once, none failed
+    assert trainer.restores == 1
+    restored = [line for line in lines if "pushing grpo:1 again" in line]
+    assert len(restored) == 1, lines
+    assert "serves 'scripted:0'" in restored[0]
+    rows = (run_dir / "out" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    reruns = [int(row.split(",")[header.index("reruns")]) for row in rows[1:]]
+    assert reruns[1] >= 1, reruns  # the batch that ran on the restarted server
+    assert reruns[0] == reruns[2] == 0, reruns
