@@ -105,3 +105,32 @@ def test_a_restarted_model_server_gets_the_weights_again_and_no_step_trains_on_i
     reruns = [int(row.split(",")[header.index("reruns")]) for row in rows[1:]]
     assert reruns[1] >= 1, reruns  # the batch that ran on the restarted server
     assert reruns[0] == reruns[2] == 0, reruns
+
+
+def test_a_model_server_killed_during_a_step_takes_the_push_once_it_is_back(start_stack: Any, run_dir: Path) -> None:
+    """The next batch's episodes are running (max_lag 1) when the server dies; the push that follows
+    the step waits for the restarted server, and whatever ran there before it counts for nothing."""
+    weights = run_dir / "start"
+    weights.mkdir()
+    write_safetensors(weights / "model.safetensors", TENSORS)
+    stack = start_stack(stack_config(weights))
+
+    class KilledDuringStep(StandInPolicy):
+        def step(self, samples: Sequence[Sample]) -> StepStats:
+            if len(self.trained) == 1:
+                stack.kill(MODEL)
+            return super().step(samples)
+
+    config = TrainConfig(out=run_dir / "out", iterations=3, tasks_per_batch=2, group_size=2, concurrency=4, agent=AGENT)
+    policy = KilledDuringStep(weights)
+
+    async def scenario() -> None:
+        async with Client(run_dir=run_dir) as client:
+            outcome = await Trainer(config, client, policy, load_tasks(example_tasks_path()), Progress(print)).run()
+            assert outcome.state.iteration == 3
+            assert set((await served_by_replica(client, MODEL)).values()) == {"grpo:3"}
+
+    asyncio.run(scenario())
+    assert [len(batch) for batch in policy.trained] == [4, 4, 4]
+    versions = {v for batch in policy.trained for sample in batch for v in sample.versions}
+    assert all(v.startswith("grpo:") for v in versions), versions
