@@ -38,12 +38,11 @@ from gymrpc.errors import (
     AlreadyExists,
     FailedPrecondition,
     GymrpcError,
-    NotFound,
     Unimplemented,
 )
 from gymrpc.servers.agent import checkpoint
 from gymrpc.servers.agent.faults import CrashPlan
-from gymrpc.servers.agent.loop import EpisodeLoop
+from gymrpc.servers.agent.loop import EpisodeLoop, session_lost
 from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import SAVED, EpisodeCheckpoint, EpisodeLease, EpisodeStore, PendingSave
 from gymrpc.store.encoded import decoded, encoded
@@ -249,7 +248,7 @@ class DurableEpisodes:
                     log.warning("a session left by an earlier run is discarded", extra={"episode": state.label})
                     await self.loop.discard_session(state)
                     continue
-                if recovery == SESSION_RECOVERIES or not _session_lost(err, state):
+                if recovery == SESSION_RECOVERIES or not session_lost(err, state):
                     raise
                 log.warning(
                     "the resources session was lost; continuing from the last checkpoint",
@@ -298,13 +297,6 @@ class DurableEpisodes:
 def _seeded_before(err: GymrpcError) -> bool:
     """The seed found the session seeded and changed since: it has no state right after a seed to give."""
     return isinstance(err, FailedPrecondition) and err.metadata.get("call") == "seed"
-
-
-def _session_lost(err: GymrpcError, state: EpisodeState) -> bool:
-    """The resources server no longer has the session (it restarted, or a failed run's cleanup closed it)."""
-    if err.metadata.get("session_id") != state.session_id:
-        return False
-    return isinstance(err, NotFound) or (isinstance(err, FailedPrecondition) and err.reason == "SESSION_CLOSED")
 
 
 __all__ = ["DurableEpisodes", "ResumeConfig"]

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from gymrpc import tracing
-from gymrpc.errors import FailedPrecondition, GymrpcError, from_rpc_error
+from gymrpc.errors import FailedPrecondition, GymrpcError, NotFound, from_rpc_error
 from gymrpc.pbtime import duration
 from gymrpc.servers.agent.state import EpisodeState, Phase, caller_retries
 from gymrpc.v1 import agent_service_pb2 as agent_pb
@@ -96,8 +96,9 @@ class EpisodeLoop:
             while state.phase is not Phase.COMPLETED:
                 try:
                     message = await self.advance(state)
-                except FailedPrecondition as err:
-                    if not _replay_diverged(err, state) or state.run_nonce:  # a fresh session diverges from nothing
+                except GymrpcError as err:
+                    # Once per run: a fresh session diverges from nothing; one lost twice is a crash loop.
+                    if state.run_nonce or not (_replay_diverged(err, state) or session_lost(err, state)):
                         raise
                     await self._start_over(state, err)
                     continue
@@ -109,12 +110,17 @@ class EpisodeLoop:
                 self.close_in_background(state)
             raise
 
-    async def _start_over(self, state: EpisodeState, err: FailedPrecondition) -> None:
-        """A retried run replays the earlier run's calls (the model's and the resources' replies by their
+    async def _start_over(self, state: EpisodeState, err: GymrpcError) -> None:
+        """Start the episode over in a fresh session, when the one it ran in cannot take it further.
+
+        A retried run replays the earlier run's calls (the model's and the resources' replies by their
         ids); one that went another way (a sampling model whose generations were lost, say) cannot go on
-        in the session the earlier run changed, so the episode starts over in a fresh one."""
+        in the session the earlier run changed. Without a saved boundary (durable resume) to go back
+        to, a session the resources server lost (it restarted) cannot be rebuilt either.
+        """
+        why = "went another way than the earlier one" if _replay_diverged(err, state) else "lost its resources session"
         log.warning(
-            "the retried run went another way than the earlier one; starting the episode over in a fresh session",
+            f"the run {why}; starting the episode over in a fresh session",
             extra={"episode": state.label, "error": err.message},
         )
         await self.discard_session(state)
@@ -387,6 +393,13 @@ def _number_tool_calls(message: common_pb2.Message, step: int, used: set[str]) -
         used.add(call.id)
 
 
-def _replay_diverged(err: FailedPrecondition, state: EpisodeState) -> bool:
+def _replay_diverged(err: GymrpcError, state: EpisodeState) -> bool:
     """The resources role refused a call of this retried run: the earlier run did not make it."""
     return err.reason == "REPLAY_DIVERGENCE" and err.metadata.get("session_id") == state.session_id
+
+
+def session_lost(err: GymrpcError, state: EpisodeState) -> bool:
+    """The resources server no longer has the session (it restarted, or a failed run's cleanup closed it)."""
+    if err.metadata.get("session_id") != state.session_id:
+        return False
+    return isinstance(err, NotFound) or (isinstance(err, FailedPrecondition) and err.reason == "SESSION_CLOSED")

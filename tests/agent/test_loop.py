@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gymrpc.errors import InvalidArgument, Unavailable
+from gymrpc.errors import InvalidArgument, NotFound, Unavailable
 from gymrpc.servers.agent.loop import NO_NAME_ERROR, EpisodeLoop
 from gymrpc.servers.agent.state import MAX_ID_LEN, EpisodeState, Phase, session_id_for
 from gymrpc.v1 import agent_service_pb2 as agent_pb
@@ -220,6 +220,50 @@ def test_a_retried_run_that_goes_another_way_starts_over_in_a_fresh_session() ->
     assert ids[0] == "r1/a0/step0"
     assert ids[1].startswith("r1/a0/step0/")  # the fresh run's own request ids
     assert ids[2] == ids[1].replace("step0", "step1")
+
+
+def restarted(resources: DirectStub) -> None:
+    """The resources server behind `resources` restarted: every session it held is gone."""
+    resources.servicer = counter_resources().servicer
+
+
+def test_a_session_lost_mid_episode_starts_the_episode_over_once() -> None:
+    resources, task = counter_resources(), counter_task("x", 0, 5)
+    add, more = (
+        reply(calls=[("a", "increment_counter", '{"count": 2}')]),
+        reply(calls=[("b", "increment_counter", '{"count": 3}')]),
+    )
+    model = ScriptedModel(add, more, add, more, reply("done"))
+    state = EpisodeState("r1", 0, task, 8)
+
+    async def main() -> agent_pb.Trajectory:
+        loop = _loop(resources, model)
+        for _ in range(4):  # seed, model call, tool call (+2), model call: then the server restarts
+            await loop.advance(state)
+        restarted(resources)
+        return await loop.run(state)  # its next tool call finds no session
+
+    t = asyncio.run(main())
+    assert (t.reward, t.restart_count) == (1.0, 1)  # 2 + 3 in the fresh session, nothing of the lost one
+    assert [r.call.id for r in t.tool_calls] == ["a", "b"]
+    assert resources.methods().count("SeedSession") == 2
+    assert model.requests[2].request_id.startswith("r1/a0/step0/")  # the fresh run's own request ids
+
+    lost_twice = ScriptedModel(add, add, add, add)
+    state = EpisodeState("r2", 0, task, 8)
+
+    async def again() -> None:
+        loop = _loop(resources, lost_twice)
+        for _ in range(3):
+            await loop.advance(state)
+        restarted(resources)
+        async for _ in loop.steps(state):
+            if state.restart_count and state.phase is Phase.READY_FOR_TOOL:
+                restarted(resources)  # and once more, in the fresh run: a crash loop
+
+    with pytest.raises(NotFound) as caught:
+        asyncio.run(again())
+    assert caught.value.metadata["session_id"] == state.session_id
 
 
 def test_text_turns_go_to_step_until_terminated() -> None:

@@ -7,6 +7,8 @@ the FAKE model of `tests.agent.fake_model` run as a process.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +97,43 @@ def test_a_retried_run_whose_model_answers_otherwise_starts_over_instead_of_appl
 
     t = asyncio.run(run())
     assert marker.exists()
+    assert (t.reward, t.restart_count) == (1.0, 1)
+    assert [(c.call.name, c.output) for c in t.tool_calls] == [
+        ("increment_counter", '{"success": true}'),
+        ("increment_counter", '{"success": true}'),
+        ("get_counter_value", '{"count": 5}'),
+    ]
+
+
+def test_an_episode_whose_resources_server_restarts_mid_run_starts_over_in_a_fresh_session(
+    start_stack: Any, run_dir: Path
+) -> None:
+    # No durable resume, no coordinated checkpoints: no saved boundary rebuilds the lost session. The
+    # model server is frozen (SIGSTOP) so the episode waits in its first model call, after its seed,
+    # while the resources server is SIGKILLed and restarted; then the model answers.
+    stack = start_stack({"restart": {"max_restarts": 5, "window_seconds": 60, "backoff_seconds": 0.05}, **_config()})
+    model = stack.server("model/policy")["pid"]
+    task = counter_task("add 2 then add 3 then get the count", 0, 5)
+
+    async def run() -> agent_pb.Trajectory:
+        async with Client(run_dir=run_dir) as client:
+            request = agent_pb.RunStreamRequest(
+                request=agent_pb.RunRequest(task=task, episode_id=common_pb2.EpisodeId(rollout_id="lost"))
+            )
+            os.kill(model, signal.SIGSTOP)
+            try:
+                stream = client.agent("agent/simple").RunStream(request, timeout=120)
+                first = await anext(aiter(stream))
+                assert first.progress.phase == agent_pb.EPISODE_PHASE_READY_FOR_MODEL  # seeded
+                killed = stack.kill("resources/counter")
+                await asyncio.to_thread(
+                    stack.wait_for, "resources/counter", lambda s: s["pid"] != killed and s["state"] == "serving"
+                )
+            finally:
+                os.kill(model, signal.SIGCONT)
+            return [event async for event in stream][-1].trajectory
+
+    t = asyncio.run(run())
     assert (t.reward, t.restart_count) == (1.0, 1)
     assert [(c.call.name, c.output) for c in t.tool_calls] == [
         ("increment_counter", '{"success": true}'),

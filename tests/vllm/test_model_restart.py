@@ -22,7 +22,7 @@ from gymrpc.envs.counter import example_tasks_path
 from gymrpc.rollouts.tasks import load_tasks
 from gymrpc.train.loop import Progress, TrainConfig, Trainer
 from gymrpc.weights import served_by_replica
-from tests.train.test_model_restart import AGENT, MODEL, StandInPolicy, stack_config
+from tests.train.test_restarts import AGENT, MODEL, StandInPolicy, stack_config
 from tests.vllm.helpers import START_TIMEOUT, TEST_TIMEOUT, VllmStack, descendants, model_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT)]

@@ -1,6 +1,7 @@
-"""A model server SIGKILLed mid-run comes back with the weights it started from. The reference
-trainer notices (its episodes' tokens name weights it never pushed), pushes its current weights
-to that replica again, and runs those episodes again, so no step trains on another policy's tokens.
+"""The reference trainer through SIGKILLs of the servers it drives. A model server SIGKILLed mid-run
+comes back with the weights it started from: the trainer notices (its episodes' tokens name weights
+it never pushed), pushes its current weights to that replica again, and runs those episodes again,
+so no step trains on another policy's tokens.
 
 Real processes (`gymrpc up`: counter resources, scripted model, the built-in agent; the launcher
 restarts what dies); the trainer runs in this process with a stand-in policy (no torch: the loop's
@@ -14,6 +15,8 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from gymrpc.client import Client
 from gymrpc.envs.counter import example_tasks_path
@@ -107,18 +110,24 @@ def test_a_restarted_model_server_gets_the_weights_again_and_no_step_trains_on_i
     assert reruns[0] == reruns[2] == 0, reruns
 
 
-def test_a_model_server_killed_during_a_step_takes_the_push_once_it_is_back(start_stack: Any, run_dir: Path) -> None:
-    """The next batch's episodes are running (max_lag 1) when the server dies; the push that follows
-    the step waits for the restarted server, and whatever ran there before it counts for nothing."""
+@pytest.mark.parametrize("server", [MODEL, AGENT, "resources/counter"])
+def test_a_server_killed_during_a_step_while_the_next_batch_runs_costs_no_episode(
+    start_stack: Any, run_dir: Path, server: str
+) -> None:
+    """The next batch's episodes are running (max_lag 1) when a server dies. Killed model server: the
+    push after the step waits for it to be back, and what its start weights made is run again.
+    Killed agent: the retried `Run`s replay. Killed resources server: the episodes start over."""
     weights = run_dir / "start"
     weights.mkdir()
     write_safetensors(weights / "model.safetensors", TENSORS)
-    stack = start_stack(stack_config(weights))
+    config = stack_config(weights)
+    config["servers"][1]["args"]["token_delay"] = 0.005  # the next batch is still running during the step
+    stack = start_stack(config)
 
     class KilledDuringStep(StandInPolicy):
         def step(self, samples: Sequence[Sample]) -> StepStats:
             if len(self.trained) == 1:
-                stack.kill(MODEL)
+                stack.kill(server)
             return super().step(samples)
 
     config = TrainConfig(out=run_dir / "out", iterations=3, tasks_per_batch=2, group_size=2, concurrency=4, agent=AGENT)
@@ -132,5 +141,6 @@ def test_a_model_server_killed_during_a_step_takes_the_push_once_it_is_back(star
 
     asyncio.run(scenario())
     assert [len(batch) for batch in policy.trained] == [4, 4, 4]
+    assert all(sample.reward == 1.0 for batch in policy.trained for sample in batch)
     versions = {v for batch in policy.trained for sample in batch for v in sample.versions}
     assert all(v.startswith("grpo:") for v in versions), versions
