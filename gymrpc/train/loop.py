@@ -217,6 +217,8 @@ class Trainer:
         self._weights_lock = asyncio.Lock()
         """Held while weights are pushed: a push and a restore (`restore_weights`) never overlap."""
         self.restores = 0
+        self.served_folder: Path | None = None
+        """The folder of the weights the model server was last given (what a restore pushes again)."""
         self._reruns: dict[int, int] = {}
         """Batch iteration -> its episodes run again because weights this trainer did not push made tokens."""
 
@@ -257,6 +259,7 @@ class Trainer:
         await asyncio.to_thread(self.policy.load_state, folder)
         # The fresh model server serves what the checkpointed one served, before any episode continues.
         await self._update(folder / "weights", state.weight_version)
+        self.served_folder = folder / "weights"
         done = set(state.batch.finished) if state.batch is not None else set()
         await self.joint.open(True, done)
         self._write_files(state)
@@ -273,7 +276,7 @@ class Trainer:
         started = time.monotonic()
         async with self._weights_lock:
             reply = await self._update(folder, version)
-            state.weight_version, state.updates = version, state.updates + 1
+            state.weight_version, state.updates, self.served_folder = version, state.updates + 1, folder
         for old in sorted((self.config.out / "weights").iterdir())[:-2]:  # the served one and the one before
             await asyncio.to_thread(_rmtree, old)
         return time.monotonic() - started, int(getattr(reply, "generations_kept", 0))
@@ -304,8 +307,9 @@ class Trainer:
             self.progress.line(
                 f"gymrpc train: {self.config.model} restarted ({where}); pushing {state.weight_version} again"
             )
+            assert self.served_folder is not None  # set by the first push, or by a resume
             await self._update(
-                self._weights_dir(state.updates - 1),
+                self.served_folder,
                 state.weight_version,
                 endpoints=sorted(lost),
                 request_id=f"train-{self.process_nonce}-{state.weight_version}-restore{self.restores}",
