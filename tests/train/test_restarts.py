@@ -11,6 +11,7 @@ bookkeeping is under test, not the arithmetic).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -144,3 +145,56 @@ def test_a_server_killed_during_a_step_while_the_next_batch_runs_costs_no_episod
     assert all(sample.reward == 1.0 for batch in policy.trained for sample in batch)
     versions = {v for batch in policy.trained for sample in batch for v in sample.versions}
     assert all(v.startswith("grpo:") for v in versions), versions
+
+
+class CheckpointedPolicy(StandInPolicy):
+    """Its state in a joint checkpoint is its weights (`weights/`, which a resume gives the model server)."""
+
+    def save_state(self, folder: Path) -> None:
+        self.save_weights(folder / "weights")
+
+    def load_state(self, folder: Path) -> None:
+        assert (folder / "weights").is_dir()
+
+
+def test_a_resumed_trainer_gives_a_restarted_model_server_the_checkpoints_weights(
+    start_stack: Any, run_dir: Path
+) -> None:
+    """After `--resume`, the weights served are the checkpoint's own folder: the numbered folder of that
+    version was pruned as the first run went on, and a restore must not need it."""
+    weights = run_dir / "start"
+    weights.mkdir()
+    write_safetensors(weights / "model.safetensors", TENSORS)
+    tasks = load_tasks(example_tasks_path())
+    out = run_dir / "out"
+    config = TrainConfig(out=out, iterations=4, tasks_per_batch=2, group_size=2, concurrency=4, max_lag=0, agent=AGENT)
+    config = dataclasses.replace(config, checkpoint_every=2)
+
+    async def train(policy: StandInPolicy, progress: Progress, resume: bool) -> Trainer:
+        async with Client(run_dir=run_dir) as client:
+            trainer = Trainer(config, client, policy, tasks, progress)
+            outcome = await trainer.run(resume=resume)
+            assert outcome.state.iteration == 4
+            return trainer
+
+    stack = start_stack(stack_config(weights))
+    asyncio.run(train(CheckpointedPolicy(weights), Progress(print), resume=False))
+    assert not (out / "weights" / "00002").exists()  # pruned: grpo:2, the checkpoint's, is served from it
+    stack.stop()
+
+    stack = start_stack(stack_config(weights))  # a fresh stack, as after a crash of everything
+    lines: list[str] = []
+
+    def line(text: str) -> None:
+        lines.append(text)
+        if text.startswith("resumed from"):  # the resumed batch runs on the restarted server
+            killed = stack.kill(MODEL)
+            stack.wait_for(MODEL, lambda s: s["pid"] != killed and s["state"] == "serving")
+
+    policy = CheckpointedPolicy(weights)
+    trainer = asyncio.run(train(policy, Progress(line), resume=True))
+    assert trainer.restores == 1
+    assert [line for line in lines if "pushing grpo:2 again" in line], lines
+    versions = {v for batch in policy.trained for sample in batch for v in sample.versions}
+    assert all(v.startswith("grpo:") for v in versions), versions
+    assert [len(batch) for batch in policy.trained] == [4, 4]
