@@ -181,6 +181,14 @@ def error_class(code: grpc.StatusCode) -> type[GymrpcError]:
     return _BY_CODE.get(code, UnknownError)
 
 
+def session_lost(err: GymrpcError, session_id: str) -> bool:
+    """The resources role no longer has session `session_id` (its server restarted, or a failed run's
+    cleanup closed it): nothing there holds the episode's state any more."""
+    if err.metadata.get("session_id") != session_id:
+        return False
+    return isinstance(err, NotFound) or (isinstance(err, FailedPrecondition) and err.reason == "SESSION_CLOSED")
+
+
 def from_rpc_error(exc: grpc.RpcError) -> GymrpcError:
     """Turn a failed call into a `GymrpcError`, reading `ErrorInfo` and `RetryInfo` details."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

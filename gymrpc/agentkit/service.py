@@ -29,7 +29,7 @@ import httpx
 
 from gymrpc.agentkit.episode import Episode, ToolCaller, ToolOutput
 from gymrpc.control import EpisodeKey
-from gymrpc.errors import Aborted, FailedPrecondition, GymrpcError, InvalidArgument, NotFound, Unavailable
+from gymrpc.errors import Aborted, FailedPrecondition, GymrpcError, InvalidArgument, NotFound, Unavailable, session_lost
 from gymrpc.ids import check_id
 from gymrpc.messages import message_from_dict, message_to_dict, parse_json_object, tool_definition_to_dict
 from gymrpc.pbtime import duration
@@ -212,9 +212,10 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
         return str(urls[pick])
 
     async def run(self, request: agent_pb.RunRequest, episode: EpisodeKey) -> agent_pb.Trajectory:
-        """The function run once; with `divergence="go_live"`, once more in a fresh session if the
-        resources role refused a tool call the earlier run did not make (its session holds that
-        run's effects, which going on live would build on)."""
+        """The function run once; once more in a fresh session if the resources role lost the session
+        (its server restarted: the run retraces itself, as a retried `Run` would), or, with
+        `divergence="go_live"`, if it refused a tool call the earlier run did not make (its session
+        holds that run's effects, which going on live would build on)."""
         task = request.task
         if not task.input:
             raise InvalidArgument(
@@ -224,12 +225,13 @@ class AgentKitServicer(agent_grpc.AgentServiceServicer):
         session = session_id_of(episode)
         try:
             return await self._run_function(request, episode, env)
-        except FailedPrecondition as err:
+        except GymrpcError as err:
             diverged = err.reason == "REPLAY_DIVERGENCE" and err.metadata.get("session_id") == session
-            if self.divergence != "go_live" or not diverged:
+            if not (session_lost(err, session) or (diverged and self.divergence == "go_live")):
                 raise
+            why = "went another way than the earlier one" if diverged else "lost its resources session"
             log.warning(
-                "the retried run went another way than the earlier one; running it again in a fresh session",
+                f"the run {why}; running it again in a fresh session",
                 extra={"episode": f"{episode.rollout_id}/a{episode.attempt}", "error": err.message},
             )
         discard = resources_pb.DiscardSessionRequest(session_id=session, episode_id=episode.to_pb())

@@ -39,10 +39,11 @@ from gymrpc.errors import (
     FailedPrecondition,
     GymrpcError,
     Unimplemented,
+    session_lost,
 )
 from gymrpc.servers.agent import checkpoint
 from gymrpc.servers.agent.faults import CrashPlan
-from gymrpc.servers.agent.loop import EpisodeLoop, session_lost
+from gymrpc.servers.agent.loop import EpisodeLoop
 from gymrpc.servers.agent.state import EpisodeState, Phase
 from gymrpc.store import SAVED, EpisodeCheckpoint, EpisodeLease, EpisodeStore, PendingSave
 from gymrpc.store.encoded import decoded, encoded
@@ -248,7 +249,7 @@ class DurableEpisodes:
                     log.warning("a session left by an earlier run is discarded", extra={"episode": state.label})
                     await self.loop.discard_session(state)
                     continue
-                if recovery == SESSION_RECOVERIES or not session_lost(err, state):
+                if recovery == SESSION_RECOVERIES or not session_lost(err, state.session_id):
                     raise
                 log.warning(
                     "the resources session was lost; continuing from the last checkpoint",

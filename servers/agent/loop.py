@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from gymrpc import tracing
-from gymrpc.errors import FailedPrecondition, GymrpcError, NotFound, from_rpc_error
+from gymrpc.errors import GymrpcError, from_rpc_error, session_lost
 from gymrpc.pbtime import duration
 from gymrpc.servers.agent.state import EpisodeState, Phase, caller_retries
 from gymrpc.v1 import agent_service_pb2 as agent_pb
@@ -98,7 +98,7 @@ class EpisodeLoop:
                     message = await self.advance(state)
                 except GymrpcError as err:
                     # Once per run: a fresh session diverges from nothing; one lost twice is a crash loop.
-                    if state.run_nonce or not (_replay_diverged(err, state) or session_lost(err, state)):
+                    if state.run_nonce or not (_replay_diverged(err, state) or session_lost(err, state.session_id)):
                         raise
                     await self._start_over(state, err)
                     continue
@@ -396,10 +396,3 @@ def _number_tool_calls(message: common_pb2.Message, step: int, used: set[str]) -
 def _replay_diverged(err: GymrpcError, state: EpisodeState) -> bool:
     """The resources role refused a call of this retried run: the earlier run did not make it."""
     return err.reason == "REPLAY_DIVERGENCE" and err.metadata.get("session_id") == state.session_id
-
-
-def session_lost(err: GymrpcError, state: EpisodeState) -> bool:
-    """The resources server no longer has the session (it restarted, or a failed run's cleanup closed it)."""
-    if err.metadata.get("session_id") != state.session_id:
-        return False
-    return isinstance(err, NotFound) or (isinstance(err, FailedPrecondition) and err.reason == "SESSION_CLOSED")

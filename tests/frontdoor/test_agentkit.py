@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from gymrpc.client import Client
 from gymrpc.errors import FailedPrecondition
 from gymrpc.v1 import agent_service_pb2 as agent_pb
 from gymrpc.v1 import agent_service_pb2_grpc as agent_grpc
+from tests.agent.fakes import counter_task
 from tests.resume.helpers import crash_env, expected_count, task
 
 REACT = "gymrpc.agentkit.examples.react:solve"
@@ -185,6 +187,33 @@ def test_a_retried_run_that_sends_another_call_under_a_recorded_id_fails_or_goes
     increment, read = live.tool_calls
     added = json.loads(increment.call.arguments_json)["count"]
     assert json.loads(read.output)["count"] == json.loads(t.env_json)["initial_count"] + added
+
+
+def test_a_kit_agent_whose_resources_server_restarts_mid_run_runs_again_in_a_fresh_session(
+    start_stack: Any, run_dir: Path
+) -> None:
+    folder = run_dir / "fifos"
+    folder.mkdir()
+    os.mkfifo(folder / "reached")
+    os.mkfifo(folder / "gate")
+    agent = kit("agent/gated", "tests.frontdoor.agents:waits_at_a_gate", env={"GYMRPC_TEST_GATE": str(folder)})
+    stack = start_stack(config(run_dir, agent))
+
+    async def scenario() -> agent_pb.Trajectory:
+        async with Client(run_dir=run_dir) as client:
+            t = counter_task("add 2 then add 3 then get the count", 0, 5)
+            run = asyncio.ensure_future(client.run(t, episode_id="gated", policy_version="p", agent="agent/gated"))
+            await asyncio.to_thread((folder / "reached").read_bytes)  # 2 added: the session holds 2
+            killed = stack.kill("resources/counter")
+            await asyncio.to_thread(
+                stack.wait_for, "resources/counter", lambda s: s["pid"] != killed and s["state"] == "serving"
+            )
+            await asyncio.to_thread((folder / "gate").write_bytes, b"1")
+            return await run
+
+    t = asyncio.run(scenario())
+    assert (t.reward, t.restart_count) == (1.0, 1)  # the function ran again, in a fresh session: 2 + 3
+    assert [json.loads(c.output) for c in t.tool_calls] == [{"success": True}, {"success": True}, {"count": 5}]
 
 
 def test_the_model_server_killed_mid_episode_still_answers_from_its_record(start_stack: Any, run_dir: Path) -> None:
