@@ -106,6 +106,12 @@ _REFUSED_BEFORE_INSTALL = (InvalidArgument, NotFound, DataLoss)
 """Restore refusals a participant gives only before it installs anything (bad request, data)."""
 
 
+def refused_before_install(error: GymrpcError) -> bool:
+    """A participant's restore refusal that left it as it was: a bad request or data, or a process
+    that has served work since it started (`NOT_FRESH`)."""
+    return type(error) in _REFUSED_BEFORE_INSTALL or error.reason == "NOT_FRESH"
+
+
 class _Labelled(Protocol):
     @property
     def label(self) -> str: ...
@@ -671,9 +677,7 @@ class Controller:
             replacements = [e.next() for e in episodes]
             # Every member refused before installing anything: there is nothing to undo, and fencing the
             # next attempts would change processes that are still as they were (all or nothing).
-            refused = len(exc.failures) == len(members) and all(
-                type(e) in _REFUSED_BEFORE_INSTALL for e in exc.failures.values()
-            )
+            refused = len(exc.failures) == len(members) and all(map(refused_before_install, exc.failures.values()))
             try:
                 if replacements and not refused:
                     await self.retire(new_checkpoint_id("undo"), replacements, timeout=cleanup)

@@ -683,6 +683,7 @@ class ControlPlane:
             if why is not None:
                 raise FailedPrecondition(
                     f"{self.name} cannot restore: {why}; restore only into freshly started processes",
+                    reason="NOT_FRESH",
                     metadata={"name": self.name},
                 )
             stop = threading.Event()

@@ -146,12 +146,29 @@ class CheckpointingRun:
         pending = [k for k in (*saved.continued, *saved.restarted) if k.rollout_id not in done]
         scope = [k for k in saved.continued if k.rollout_id not in done]
         restored: set[str] = set()
+        next_attempt = 1
         if scope:
-            replies = await self.controller.restore(operation, saved.folder, scope)
-            agents = {m.label for m in self.controller.members if m.kind is Kind.AGENT}  # every replica
-            restored = {e.rollout_id for n in agents if n in replies for e in replies[n].restored}
+            try:
+                replies = await self.controller.restore(operation, saved.folder, scope)
+            except CoordinationError as exc:
+                if not all(e.reason == "NOT_FRESH" for e in exc.failures.values()):
+                    raise
+                # The stack outlived the run that checkpointed (only the caller died): it holds no
+                # episode of the checkpoint to continue, so they start over, past any attempt the
+                # failed restore fenced where it had installed them.
+                whole = len(exc.failures) == len(self.controller.members)
+                next_attempt = 1 if whole else 2
+                print(
+                    f"{saved.checkpoint_id}: the stack has served work since it started "
+                    f"({', '.join(sorted(exc.failures))}), so it cannot restore it: its {len(scope)} episodes in "
+                    "flight start over instead of continuing (start a fresh stack to continue them)",
+                    file=sys.stderr,
+                )
+            else:
+                agents = {m.label for m in self.controller.members if m.kind is Kind.AGENT}  # every replica
+                restored = {e.rollout_id for n in agents if n in replies for e in replies[n].restored}
         await self.controller.resume(operation)
-        self.attempts = {k.rollout_id: k.attempt + 1 for k in pending}
+        self.attempts = {k.rollout_id: k.attempt + next_attempt for k in pending}
         self.continued = {k.rollout_id for k in pending if k.rollout_id in restored}
         self.restarted = {k.rollout_id for k in pending} - self.continued
         self.restored_from = saved.checkpoint_id

@@ -51,6 +51,7 @@ from gymrpc.train.cursor import DataCursor
 from gymrpc.train.samples import Sample, sample_of, versions_of, with_advantages
 from gymrpc.train.state import Batch, Finished, StateError, TrainerState, read_state, write_state
 from gymrpc.v1 import common_pb2
+from gymrpc.weights import served_by_replica
 
 METRICS = "metrics.csv"
 BATCHES = "batches.jsonl"
@@ -257,9 +258,12 @@ class Trainer:
                 f"{saved.folder} was saved for {state.cursor.size} tasks, the task list has {len(self.tasks)}"
             )
         await asyncio.to_thread(self.policy.load_state, folder)
-        # The fresh model server serves what the checkpointed one served, before any episode continues.
-        await self._update(folder / "weights", state.weight_version)
+        # The model server serves what it served at the checkpoint before any episode continues. A
+        # stack that outlived the trainer may serve it already: only the replicas that do not are given it.
         self.served_folder = folder / "weights"
+        served = await served_by_replica(self.client, self.config.model)
+        if missing := sorted(endpoint for endpoint, version in served.items() if version != state.weight_version):
+            await self._update(self.served_folder, state.weight_version, endpoints=missing)
         done = set(state.batch.finished) if state.batch is not None else set()
         await self.joint.open(True, done)
         self._write_files(state)
@@ -288,8 +292,6 @@ class Trainer:
         every token it makes then is another policy's. Only the folder is read, so a step in progress
         is not waited for. An NCCL group does not survive the restart: the run stops with the reason.
         """
-        from gymrpc.weights import served_by_replica
-
         async with self._weights_lock:
             served = await served_by_replica(self.client, self.config.model)
             lost = {endpoint: version for endpoint, version in served.items() if version != state.weight_version}

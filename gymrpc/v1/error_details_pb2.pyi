@@ -206,6 +206,18 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     `InitWeightTransfer` opened that engine (or after the server
     restarted). Code FAILED_PRECONDITION.
     """
+    ERROR_REASON_NOT_FRESH: _ErrorReason.ValueType  # 57
+    """A restore asked of a process that has served work since it started
+    (restore only into freshly started processes); nothing was installed.
+    A caller whose stack outlived it starts the checkpoint's episodes over
+    instead. Code FAILED_PRECONDITION.
+    """
+    ERROR_REASON_WEIGHTS_LOST: _ErrorReason.ValueType  # 58
+    """The model server lost the weights a trainer gave it (it restarted) and
+    they cannot be given again the same way (an NCCL group does not survive
+    the restart): resume from a checkpoint. Sent by the reference trainer,
+    not a server. Code FAILED_PRECONDITION.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reasons carried in `google.rpc.ErrorInfo.reason`.
@@ -400,5 +412,17 @@ ERROR_REASON_WEIGHT_TRANSFER_NOT_INITIALIZED: ErrorReason.ValueType  # 56
 """An update through a weight-transfer engine came before
 `InitWeightTransfer` opened that engine (or after the server
 restarted). Code FAILED_PRECONDITION.
+"""
+ERROR_REASON_NOT_FRESH: ErrorReason.ValueType  # 57
+"""A restore asked of a process that has served work since it started
+(restore only into freshly started processes); nothing was installed.
+A caller whose stack outlived it starts the checkpoint's episodes over
+instead. Code FAILED_PRECONDITION.
+"""
+ERROR_REASON_WEIGHTS_LOST: ErrorReason.ValueType  # 58
+"""The model server lost the weights a trainer gave it (it restarted) and
+they cannot be given again the same way (an NCCL group does not survive
+the restart): resume from a checkpoint. Sent by the reference trainer,
+not a server. Code FAILED_PRECONDITION.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -278,7 +278,7 @@ class ResourcesParticipant(Participant):
 
     def not_fresh(self) -> str | None:
         if self.host.served:
-            return f"it holds or held {len(self.host.live())} sessions"
+            return f"it has served sessions since it started ({len(self.host.live())} live now)"
         return super().not_fresh()
 
     def select(

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ from gymrpc.train.samples import Sample
 from gymrpc.weights import served_by_replica
 from tests.model.test_weights import TENSORS
 
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "model/policy"
 AGENT = "agent/simple"
 
@@ -198,3 +204,40 @@ def test_a_resumed_trainer_gives_a_restarted_model_server_the_checkpoints_weight
     versions = {v for batch in policy.trained for sample in batch for v in sample.versions}
     assert all(v.startswith("grpo:") for v in versions), versions
     assert [len(batch) for batch in policy.trained] == [4, 4]
+
+
+def test_a_trainer_sigkilled_alone_resumes_on_the_stack_that_outlived_it(
+    start_stack: Any, run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stack served on, so it cannot restore the checkpoint: the episodes it held in flight start
+    over as new attempts, and every batch is still trained whole, each of its episodes once."""
+    from tests.train import stand_in_trainer
+
+    weights = run_dir / "start"
+    weights.mkdir()
+    write_safetensors(weights / "model.safetensors", TENSORS)
+    config = stack_config(weights)
+    config["servers"][1]["args"]["token_delay"] = 0.005  # episodes are in flight at each checkpoint
+    start_stack(config)
+    out = run_dir / "out"
+    argv = [sys.executable, "-m", "tests.train.stand_in_trainer", str(run_dir), str(out), str(weights)]
+    trainer = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE)
+    assert trainer.stdout is not None
+    for line in trainer.stdout:  # killed right after a joint checkpoint, mid-iteration
+        if line.startswith(b"checkpoint "):
+            trainer.kill()
+            break
+    assert trainer.wait(30) == -signal.SIGKILL
+
+    resumed = asyncio.run(stand_in_trainer.main(run_dir, out, weights, resume=True))
+    assert "the stack has served work since it started" in capsys.readouterr().err
+    assert not resumed.joint.continued  # the checkpoint's episodes in flight start over, as attempt 1
+    batches = [json.loads(line) for line in (out / "batches.jsonl").read_text().splitlines()]
+    assert [b["iteration"] for b in batches] == list(range(stand_in_trainer.ITERATIONS))
+    for batch in batches:
+        ids = [e["episode_id"] for e in batch["episodes"]]
+        assert len(ids) == len(set(ids)) == 4, batch
+        assert not batch["failed"]
+        assert all(e["reward"] == 1.0 for e in batch["episodes"])
+    attempts = {e["episode_id"]: e["attempt"] for batch in batches for e in batch["episodes"]}
+    assert all(attempts[rollout_id] == 1 for rollout_id in resumed.joint.restarted)

@@ -460,6 +460,26 @@ export enum ErrorReason {
    * @generated from enum value: ERROR_REASON_WEIGHT_TRANSFER_NOT_INITIALIZED = 56;
    */
   WEIGHT_TRANSFER_NOT_INITIALIZED = 56,
+
+  /**
+   * A restore asked of a process that has served work since it started
+   * (restore only into freshly started processes); nothing was installed.
+   * A caller whose stack outlived it starts the checkpoint's episodes over
+   * instead. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_NOT_FRESH = 57;
+   */
+  NOT_FRESH = 57,
+
+  /**
+   * The model server lost the weights a trainer gave it (it restarted) and
+   * they cannot be given again the same way (an NCCL group does not survive
+   * the restart): resume from a checkpoint. Sent by the reference trainer,
+   * not a server. Code FAILED_PRECONDITION.
+   *
+   * @generated from enum value: ERROR_REASON_WEIGHTS_LOST = 58;
+   */
+  WEIGHTS_LOST = 58,
 }
 
 /**
