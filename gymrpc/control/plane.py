@@ -674,6 +674,7 @@ class ControlPlane:
                 return cached
             self.fence.check(Op.RESTORE, checkpoint_id)
             why = self.participant.not_fresh()
+            reason = "NOT_FRESH" if why is not None else None
             if why is None and (
                 fenced := sorted(e.next() for e in scope if self.participant.marks.is_retired(e.next()))
             ):
@@ -683,7 +684,7 @@ class ControlPlane:
             if why is not None:
                 raise FailedPrecondition(
                     f"{self.name} cannot restore: {why}; restore only into freshly started processes",
-                    reason="NOT_FRESH",
+                    reason=reason,
                     metadata={"name": self.name},
                 )
             stop = threading.Event()
