@@ -261,8 +261,8 @@ class Trainer:
         # The model server serves what it served at the checkpoint before any episode continues. A
         # stack that outlived the trainer may serve it already: only the replicas that do not are given it.
         self.served_folder = folder / "weights"
-        served = await served_by_replica(self.client, self.config.model)
-        if missing := sorted(endpoint for endpoint, version in served.items() if version != state.weight_version):
+        serving = await served_by_replica(self.client, self.config.model)
+        if missing := sorted(endpoint for endpoint, version in serving.items() if version != state.weight_version):
             await self._update(self.served_folder, state.weight_version, endpoints=missing)
         done = set(state.batch.finished) if state.batch is not None else set()
         await self.joint.open(True, done)

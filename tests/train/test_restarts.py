@@ -50,6 +50,14 @@ def stack_config(weights: Path) -> dict[str, Any]:
     }
 
 
+def start_weights(run_dir: Path) -> Path:
+    """The scripted model server's `--weights` (the tensors every pushed folder must match)."""
+    folder = run_dir / "start"
+    folder.mkdir()
+    write_safetensors(folder / "model.safetensors", TENSORS)
+    return folder
+
+
 class StandInPolicy:
     """What the loop asks of a policy: a step (which keeps what it was given) and weights to push,
     the safetensors files of `source` (the model server's own: they pass its tensor check)."""
@@ -73,9 +81,7 @@ class StandInPolicy:
 def test_a_restarted_model_server_gets_the_weights_again_and_no_step_trains_on_its_start_weights(
     start_stack: Any, run_dir: Path
 ) -> None:
-    weights = run_dir / "start"
-    weights.mkdir()
-    write_safetensors(weights / "model.safetensors", TENSORS)
+    weights = start_weights(run_dir)
     stack = start_stack(stack_config(weights))
     lines: list[str] = []
 
@@ -124,9 +130,7 @@ def test_a_server_killed_during_a_step_while_the_next_batch_runs_costs_no_episod
     """The next batch's episodes are running (max_lag 1) when a server dies. Killed model server: the
     push after the step waits for it to be back, and what its start weights made is run again.
     Killed agent: the retried `Run`s replay. Killed resources server: the episodes start over."""
-    weights = run_dir / "start"
-    weights.mkdir()
-    write_safetensors(weights / "model.safetensors", TENSORS)
+    weights = start_weights(run_dir)
     config = stack_config(weights)
     config["servers"][1]["args"]["token_delay"] = 0.005  # the next batch is still running during the step
     stack = start_stack(config)
@@ -168,9 +172,7 @@ def test_a_resumed_trainer_gives_a_restarted_model_server_the_checkpoints_weight
 ) -> None:
     """After `--resume`, the weights served are the checkpoint's own folder: the numbered folder of that
     version was pruned as the first run went on, and a restore must not need it."""
-    weights = run_dir / "start"
-    weights.mkdir()
-    write_safetensors(weights / "model.safetensors", TENSORS)
+    weights = start_weights(run_dir)
     tasks = load_tasks(example_tasks_path())
     out = run_dir / "out"
     config = TrainConfig(out=out, iterations=4, tasks_per_batch=2, group_size=2, concurrency=4, max_lag=0, agent=AGENT)
@@ -213,9 +215,7 @@ def test_a_trainer_sigkilled_alone_resumes_on_the_stack_that_outlived_it(
     over as new attempts, and every batch is still trained whole, each of its episodes once."""
     from tests.train import stand_in_trainer
 
-    weights = run_dir / "start"
-    weights.mkdir()
-    write_safetensors(weights / "model.safetensors", TENSORS)
+    weights = start_weights(run_dir)
     config = stack_config(weights)
     config["servers"][1]["args"]["token_delay"] = 0.005  # episodes are in flight at each checkpoint
     start_stack(config)
