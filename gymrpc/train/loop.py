@@ -261,9 +261,8 @@ class Trainer:
         # The model server serves what it served at the checkpoint before any episode continues. A
         # stack that outlived the trainer may serve it already: only the replicas that do not are given it.
         self.served_folder = folder / "weights"
-        serving = await served_by_replica(self.client, self.config.model)
-        if missing := sorted(endpoint for endpoint, version in serving.items() if version != state.weight_version):
-            await self._update(self.served_folder, state.weight_version, endpoints=missing)
+        if missing := await self._serving_other(state.weight_version):
+            await self._update(self.served_folder, state.weight_version, endpoints=sorted(missing))
         done = set(state.batch.finished) if state.batch is not None else set()
         await self.joint.open(True, done)
         self._write_files(state)
@@ -293,8 +292,7 @@ class Trainer:
         is not waited for. An NCCL group does not survive the restart: the run stops with the reason.
         """
         async with self._weights_lock:
-            served = await served_by_replica(self.client, self.config.model)
-            lost = {endpoint: version for endpoint, version in served.items() if version != state.weight_version}
+            lost = await self._serving_other(state.weight_version)
             if not lost:
                 return
             where = ", ".join(f"{endpoint} serves {version!r}" for endpoint, version in sorted(lost.items()))
@@ -316,6 +314,11 @@ class Trainer:
                 endpoints=sorted(lost),
                 request_id=f"train-{self.process_nonce}-{state.weight_version}-restore{self.restores}",
             )
+
+    async def _serving_other(self, version: str) -> dict[str, str]:
+        """The model server's replicas that serve another version than `version`, with the one they serve."""
+        served = await served_by_replica(self.client, self.config.model)
+        return {endpoint: other for endpoint, other in served.items() if other != version}
 
     def foreign_versions(self, trajectory: Any) -> list[str]:
         """The weight versions in `trajectory` this trainer never pushed (unnamed spans are not counted)."""
